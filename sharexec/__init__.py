@@ -1,0 +1,37 @@
+"""sharexec: a drop-in ProcessPoolExecutor that moves large NumPy arrays through shared memory."""
+
+from ._arrays import (
+    SharedArray,
+    empty,
+    empty_like,
+    full,
+    full_like,
+    is_shared,
+    ones,
+    ones_like,
+    share,
+    zeros,
+    zeros_like,
+)
+from ._executor import SharedProcessPoolExecutor
+from .errors import ConfigError, SegmentError, SharexecError
+
+__all__ = [
+    "ConfigError",
+    "SegmentError",
+    "SharedArray",
+    "SharedProcessPoolExecutor",
+    "SharexecError",
+    "empty",
+    "empty_like",
+    "full",
+    "full_like",
+    "is_shared",
+    "ones",
+    "ones_like",
+    "share",
+    "zeros",
+    "zeros_like",
+]
+
+__version__ = "0.1.0.dev0"

@@ -1,0 +1,168 @@
+"""SharedProcessPoolExecutor: loky's process pool with a shared-memory transport.
+
+Data flow, in the order a submitted call travels (the queues and threads are loky's,
+themselves those of CPython's ``concurrent.futures.process``)::
+
+  submit(fn, *args, **kwargs)                                   user thread
+    │  wraps the call in a _reduction.Task; nothing is copied yet
+    ▼
+  pending work items ──▶ call queue ──(feeder thread pickles)──▶ pipe ──▶ worker
+                          │
+                          └▶ Task.__reduce__: one cloudpickle pass (_reduction)
+                               shared array view  ─▶ by reference: (name, geometry)
+                               large private buffer ─▶ copied once into a segment
+                                                       (_tracking.new_private,
+                                                        _segments.create + fallocate)
+                               anything else      ─▶ pickled, in the payload
+                             the Task keeps its segments alive until its future is done
+
+  worker:  load_call: copies mapped copy-on-write, shared segments mapped shared
+           run: result = fn(*args, **kwargs)
+                Reply: the backward pass; large results copied into fresh segments
+                whose ownership passes to the parent
+    │
+    ▼
+  result queue ──▶ executor manager thread (unpickles) ──▶ future.set_result
+                    └▶ load_result: maps each result segment, unlinks it at once,
+                       rebuilds the arrays zero-copy
+  future done ──▶ Task.release(): the call's segments are dropped, and a segment whose
+                   last user is gone is unlinked (_tracking.Segment)
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from multiprocessing.context import BaseContext
+from typing import Any, TypeVar
+
+from loky import ProcessPoolExecutor as _LokyExecutor
+from loky.backend.context import get_context as _loky_context
+
+from ._config import Options
+from ._reduction import Task, Transport, run, run_initializer
+
+__all__ = ["SharedProcessPoolExecutor"]
+
+T = TypeVar("T")
+
+
+def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
+    if mp_context is None:
+        return _loky_context()  # loky's own start method
+    if isinstance(mp_context, str):
+        if mp_context == "fork":
+            # loky's get_context warns on "fork"; the stdlib's does not, nor do we.
+            return multiprocessing.get_context("fork")
+        return _loky_context(mp_context)
+    if not hasattr(mp_context, "Process") or not hasattr(mp_context, "get_start_method"):
+        raise TypeError(
+            "mp_context must be a multiprocessing context or a start-method name, "
+            f"got {mp_context!r}"
+        )
+    return mp_context
+
+
+class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
+    """A :class:`concurrent.futures.ProcessPoolExecutor` that shares large arrays.
+
+    Same constructor, methods and exceptions as the standard library's executor. Large
+    NumPy arrays (and other protocol-5 buffers) among the arguments and results travel
+    through shared memory instead of a pipe: a private array is copied once into a
+    segment and seen copy-on-write by the worker; an array allocated with
+    :func:`sharexec.empty` and friends (or any view of one) travels by reference, so
+    workers write into it in place.
+
+    Parameters
+    ----------
+    max_workers : int, optional
+        Number of worker processes; defaults to the number of usable CPUs.
+    mp_context : multiprocessing context or str, optional
+        A :mod:`multiprocessing` context, or a start method name (``"spawn"``,
+        ``"fork"``, ``"forkserver"``, ``"loky"``). Defaults to loky's start method.
+    initializer : callable, optional
+        Called in each new worker with ``initargs``; its arguments are shared like a
+        task's.
+    initargs : tuple, default ()
+        Arguments of ``initializer``.
+    max_tasks_per_child : int, optional
+        Validated as the standard library does; recycling workers is not supported yet
+        and raises :class:`NotImplementedError`.
+    **options
+        sharexec options (see :class:`sharexec._config.Options`), e.g.
+        ``min_share_bytes``. An unknown option is a :class:`~sharexec.ConfigError`.
+    """
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        mp_context: BaseContext | str | None = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+        *,
+        max_tasks_per_child: int | None = None,
+        **options: Any,
+    ) -> None:
+        self._options = Options.resolve(options)
+        context = _resolve_context(mp_context)
+        if max_tasks_per_child is not None:
+            if not isinstance(max_tasks_per_child, int):
+                raise TypeError("max_tasks_per_child must be an integer")
+            if max_tasks_per_child <= 0:
+                raise ValueError("max_tasks_per_child must be >= 1")
+            raise NotImplementedError("max_tasks_per_child is not supported by sharexec yet")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        self._transport = Transport(self._options.min_share_bytes)
+        # The initializer's call is shared like a task's, pickled at each worker start;
+        # it lives as long as the executor, since workers may be started at any time.
+        self._init_task: Task | None = None
+        if initializer is not None:
+            self._init_task = Task(initializer, tuple(initargs), {}, self._transport)
+            initializer, initargs = run_initializer, (self._init_task,)
+        super().__init__(
+            max_workers=max_workers,
+            context=context,
+            initializer=initializer,
+            initargs=initargs,
+        )
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Schedule ``fn(*args, **kwargs)`` in a worker; return its future.
+
+        Large array arguments are moved into shared memory when the call is sent to a
+        worker, and large array results come back the same way.
+        """
+        task = Task(fn, args, kwargs, self._transport)
+        future: Future[T] = super().submit(run, task)
+        future.add_done_callback(lambda _: task.release())
+        return future
+
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]:
+        """Return an iterator of ``fn`` applied to the items of ``iterables``, in order.
+
+        As :meth:`concurrent.futures.Executor.map`. The chunks of a large array passed
+        as items (``np.array_split(a, 64)``) are each copied once into shared memory.
+        """
+        results: Iterator[T] = super().map(fn, *iterables, timeout=timeout, chunksize=chunksize)
+        return results
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Free the workers and, with ``wait``, the segments of the executor.
+
+        As :meth:`concurrent.futures.Executor.shutdown`: with ``cancel_futures``, the
+        calls not yet started are cancelled.
+        """
+        if cancel_futures:
+            for work_item in list(self._pending_work_items.values()):
+                work_item.future.cancel()
+        super().shutdown(wait=wait)
+        if wait and self._init_task is not None:
+            self._init_task.release()

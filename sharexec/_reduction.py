@@ -1,0 +1,331 @@
+"""Deciding, per buffer, how it travels: by reference, copied once, or pickled.
+
+One mechanism carries every call and every result: a cloudpickle pass at protocol 5 with
+
+* a ``reducer_override`` that sees every :class:`numpy.ndarray` at any depth (inside
+  tuples, dicts, dataclasses, dask graphs…). An array whose memory lies in a shared
+  segment travels **by reference** (segment name + geometry, O(1)). A large private array
+  is described as *a buffer over the bytes it spans + its geometry* (offset, shape,
+  strides, dtype), so strided, transposed, F-order, datetime and negative-stride views
+  all take the same road as contiguous ones. Object arrays and small arrays fall through
+  to numpy's own pickling.
+* a ``buffer_callback`` that receives every out-of-band buffer: the spans above, and
+  those of any other protocol-5 object (pandas, pyarrow, …). One at or above
+  ``min_share_bytes`` is **copied once** into a segment; smaller ones stay in-band.
+
+The two directions are deliberately asymmetric (see :class:`Pass`):
+
+* forward (parent → worker): copies are owned by the parent and live while a task in
+  flight refers to them; the worker maps them copy-on-write, so its writes stay private.
+  A copy still in flight is reused for the same, unchanged bytes (compared first, never
+  trusted blindly), so submitting one array many times holds one copy.
+* backward (worker → parent): the worker copies a large result into a fresh segment and
+  hands its ownership to the parent, which maps it and unlinks it at once: the result is
+  an ordinary private array that nothing can leak. Shared arrays the worker allocated go
+  back by reference, their ownership handed over too.
+
+Loky stays the carrier of small bytes only. :class:`Task` and :class:`Reply` are what
+loky pickles; their ``__reduce__`` returns our payload (the pickle, small) and the list
+of out-of-band buffers (segment name, size, offset, length).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from . import _tracking
+from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
+from ._segments import Mapping
+
+__all__ = [
+    "Reply",
+    "Task",
+    "Transport",
+    "dumps",
+    "load_call",
+    "load_result",
+    "run",
+    "run_initializer",
+]
+
+# An out-of-band buffer: (segment name, segment size, offset, length),
+# e.g. ("sharexec-41-Zm9vYmFy", 8000000, 0, 8000000).
+BufferRef = tuple[str, int, int, int]
+
+_COMPARE_CHUNK = 8 << 20  # compare in slices this big: no n-byte temporary
+
+
+# ---------------------------------------------------------------------------------------
+# One pickling pass
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Packed:
+    """The outcome of one pass: what loky carries, and what must stay alive meanwhile."""
+
+    payload: bytes
+    buffers: list[BufferRef]
+    # Mappings the payload refers to (copies, shared arrays): holding them keeps their
+    # segments linked until the receiver has attached.
+    keep: list[Mapping] = field(repr=False)
+
+
+class _Span:
+    """``length`` bytes at ``address``, as an array interface, keeping ``owner`` alive."""
+
+    def __init__(self, owner: object, address: int, length: int) -> None:
+        self.owner = owner
+        self.__array_interface__ = {
+            "data": (address, False),  # read only, but not flagged: a
+            # read-only flag would make pickle load the copy read-only (READONLY_BUFFER)
+            "shape": (length,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def _address(buffer: memoryview) -> int:
+    return int(np.frombuffer(buffer, np.uint8).__array_interface__["data"][0])
+
+
+def _span_to_copy(a: np.ndarray, low: int, high: int) -> tuple[int, int]:
+    """The bytes to copy for ``a``: its own span, or its base's if it spans most of it.
+
+    Copying the whole base for a view that covers more than half of it lets the other
+    views of that base in the same pass (``a``, ``a[::2]``, ``a.T``) share one copy;
+    a small view of a big array copies only what it spans.
+    """
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    root_low, root_high = byte_bounds(root)
+    if root_low <= low and high <= root_high and 2 * (high - low) > root_high - root_low:
+        return root_low, root_high
+    return low, high
+
+
+class Pass:
+    """The state of one pickling pass: the buffers it took out of band, and why."""
+
+    def __init__(self, min_share_bytes: int, transport: Transport | None) -> None:
+        self.min_share_bytes = min_share_bytes
+        self.transport = transport  # None: the backward pass of a worker
+        self.buffers: list[BufferRef] = []
+        self.keep: list[Mapping] = []
+        # Byte ranges copied in this pass, e.g. [(140213, 8140213, <Mapping>)]: a buffer
+        # inside one of them reuses it.
+        self._copied: list[tuple[int, int, Mapping]] = []
+
+    def reduce_array(self, a: np.ndarray) -> Any:
+        """How ``a`` travels: a reduce tuple, or None to let numpy pickle it."""
+        if type(a) is not np.ndarray and type(a) is not SharedArray:
+            return None  # other subclasses (masked, memmap, …) pickle themselves
+        if a.dtype.hasobject:
+            return None
+        low, high = byte_bounds(a)
+        found = _tracking.find_shared(low, high)
+        if found is not None:
+            mapping = found[0]
+            self.keep.append(mapping)
+            # Backward, a shared array this worker allocated goes to the parent's care.
+            adopt = self.transport is None and _tracking.owns(mapping)
+            return reduce_shared(a, mapping, adopt)
+        if a.nbytes < self.min_share_bytes:
+            return None
+        span_low, span_high = _span_to_copy(a, low, high)
+        span = np.asarray(_Span(a, span_low, span_high - span_low))
+        first = a.__array_interface__["data"][0] - span_low
+        return rebuild_view, (pickle.PickleBuffer(span), first, a.shape, a.strides, a.dtype)
+
+    def take_buffer(self, buffer: pickle.PickleBuffer) -> bool:
+        """``buffer_callback``: True keeps a buffer in-band, False sends it out of band."""
+        raw = buffer.raw()
+        length = raw.nbytes
+        if length < self.min_share_bytes:
+            return True
+        low = _address(raw)
+        for copied_low, copied_high, mapping in self._copied:
+            if copied_low <= low and low + length <= copied_high:
+                offset = low - copied_low
+                break
+        else:
+            mapping = self._copy(raw, low)
+            offset = 0
+            self._copied.append((low, low + length, mapping))
+            self.keep.append(mapping)
+        self.buffers.append((mapping.name, len(mapping), offset, length))
+        return False
+
+    def _copy(self, raw: memoryview, low: int) -> Mapping:
+        if self.transport is not None:
+            reused = self.transport.reusable_copy(raw, low)
+            if reused is not None:
+                return reused
+        mapping = _tracking.new_private(raw.nbytes)
+        np.frombuffer(mapping, np.uint8, raw.nbytes)[:] = np.frombuffer(raw, np.uint8)
+        if self.transport is not None:
+            self.transport.remember_copy(raw, low, mapping)
+        return mapping
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    # reducer_override sees every object and wins over the exact-type dispatch_table;
+    # whatever is not an array must fall through to cloudpickle's own override, or
+    # functions and classes defined in __main__ stop pickling by value.
+    def __init__(self, file: io.BytesIO, state: Pass) -> None:
+        super().__init__(file, protocol=5, buffer_callback=state.take_buffer)
+        self._state = state
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            reduced = self._state.reduce_array(obj)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any, min_share_bytes: int, transport: Transport | None = None) -> Packed:
+    """Run one pass over ``obj``: forward with a ``transport``, backward without one.
+
+    If the pass fails, every segment it created is dropped (and so unlinked).
+    """
+    state = Pass(min_share_bytes, transport)
+    out = io.BytesIO()
+    _Pickler(out, state).dump(obj)
+    if transport is None:
+        # Only now that the pass succeeded: the result's copies, and the shared arrays
+        # this worker allocated, become the parent's to free.
+        for mapping in state.keep:
+            _tracking.hand_off(mapping)
+    return Packed(out.getvalue(), state.buffers, state.keep)
+
+
+def _loads(payload: bytes, buffers: list[BufferRef], attach: Callable[[str, int], Mapping]) -> Any:
+    mappings: dict[str, Mapping] = {}
+    views = []
+    for name, size, offset, length in buffers:
+        mapping = mappings.get(name)
+        if mapping is None:
+            mapping = mappings[name] = attach(name, size)
+        views.append(memoryview(mapping)[offset : offset + length])
+    return pickle.loads(payload, buffers=views)
+
+
+# ---------------------------------------------------------------------------------------
+# The parent's side of an executor
+# ---------------------------------------------------------------------------------------
+
+
+class Transport:
+    """One executor's forward transport: its options and its copies in flight."""
+
+    def __init__(self, min_share_bytes: int) -> None:
+        self.min_share_bytes = min_share_bytes
+        self._lock = threading.Lock()
+        # Copies still referenced by a task in flight, by the source bytes they hold,
+        # e.g. {(140213, 8000000): <weakref to Mapping>}.
+        self._copies: dict[tuple[int, int], weakref.ref[Mapping]] = {}
+
+    def reusable_copy(self, raw: memoryview, low: int) -> Mapping | None:
+        """A copy in flight of these very bytes, if their content has not changed since."""
+        with self._lock:
+            ref = self._copies.get((low, raw.nbytes))
+        mapping = ref() if ref is not None else None
+        if mapping is None:
+            return None
+        source = np.frombuffer(raw, np.uint8)
+        copy = np.frombuffer(mapping, np.uint8, raw.nbytes)
+        for i in range(0, raw.nbytes, _COMPARE_CHUNK):
+            if not np.array_equal(source[i : i + _COMPARE_CHUNK], copy[i : i + _COMPARE_CHUNK]):
+                return None
+        return mapping
+
+    def remember_copy(self, raw: memoryview, low: int, mapping: Mapping) -> None:
+        key = (low, raw.nbytes)
+
+        def forget(ref: weakref.ref[Mapping]) -> None:
+            with self._lock:
+                if self._copies.get(key) is ref:
+                    del self._copies[key]
+
+        with self._lock:
+            self._copies[key] = weakref.ref(mapping, forget)
+
+
+class Task:
+    """A call on its way to a worker.
+
+    Loky pickles it when the call leaves its queue (as the stdlib does): only then are
+    its large arguments copied, so memory is bounded by the tasks in flight.
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: Any, kwargs: Any, transport: Transport):
+        self.call: tuple[Any, ...] | None = (fn, args, kwargs)
+        self.transport = transport
+        self.keep: list[Mapping] = []
+
+    def __reduce__(self) -> Any:
+        if self.call is None:
+            raise RuntimeError("this task was already completed")
+        packed = dumps(self.call, self.transport.min_share_bytes, self.transport)
+        self.keep = packed.keep  # until release(): the worker attaches before it runs
+        return load_call, (packed.payload, packed.buffers, self.transport.min_share_bytes)
+
+    def release(self) -> None:
+        """Drop the call and its segments, as early as the task is done."""
+        self.call = None
+        self.keep = []
+
+
+# ---------------------------------------------------------------------------------------
+# The worker's side
+# ---------------------------------------------------------------------------------------
+
+
+def load_call(payload: bytes, buffers: list[BufferRef], min_share_bytes: int) -> Any:
+    """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared."""
+    return _loads(payload, buffers, _tracking.attach_private), min_share_bytes
+
+
+def run(call: Any) -> Reply:
+    """Run a call in the worker and pack its result for the way back."""
+    (fn, args, kwargs), min_share_bytes = call
+    del call
+    result = fn(*args, **kwargs)
+    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
+    return Reply(dumps(result, min_share_bytes))
+
+
+def run_initializer(call: Any) -> None:
+    """Run the executor's initializer in a new worker."""
+    if isinstance(call, Task):  # fork: the task was inherited, not pickled
+        assert call.call is not None
+        fn, args, kwargs = call.call
+    else:
+        (fn, args, kwargs), _ = call
+    fn(*args, **kwargs)
+
+
+class Reply:
+    """A result on its way back: a small payload and the segments handed to the parent."""
+
+    def __init__(self, packed: Packed) -> None:
+        self.packed = packed
+
+    def __reduce__(self) -> Any:
+        return load_result, (self.packed.payload, self.packed.buffers)
+
+
+def load_result(payload: bytes, buffers: list[BufferRef]) -> Any:
+    """Rebuild a result in the parent, adopting (and so unlinking) its segments."""
+    return _loads(payload, buffers, _tracking.adopt_private)

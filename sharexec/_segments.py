@@ -1,0 +1,132 @@
+"""Shared-memory segments at the level of the operating system.
+
+This module owns every system call sharexec makes about shared memory: naming a segment,
+creating it with its space reserved, mapping it (shared, or private copy-on-write) and
+unlinking it. It decides nothing about lifetimes: :mod:`sharexec._tracking` says when to
+create, attach and unlink, and is the only caller of :func:`unlink`.
+
+Platform: POSIX shared memory (``shm_open``), that is ``/dev/shm`` on Linux. Names are
+``sharexec-<pid>-<random>``: a fixed prefix so stale segments can be found, the creating
+process's id, and 72 random bits, so they cannot be guessed; at most 30 characters with
+the leading slash, inside macOS's limit of 31.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import secrets
+import sys
+
+from .errors import SegmentError
+
+try:
+    import _posixshmem
+except ImportError:  # pragma: no cover - Windows
+    _posixshmem = None
+
+__all__ = ["PREFIX", "Mapping", "attach", "create", "listdir", "unlink"]
+
+PREFIX = "sharexec-"
+SHM_FOLDER = "/dev/shm"
+
+
+class Mapping(mmap.mmap):
+    """A mapping of one segment into this process.
+
+    A subclass of :class:`mmap.mmap` only so it can carry its segment's name and address
+    and be weakly referenced. Arrays built on it keep it alive; it is unmapped when the
+    last of them is collected.
+    """
+
+    name: str
+    address: int
+    owner: object  # what must outlive this mapping, e.g. the tracking handle that unlinks
+
+
+def _check_platform() -> None:
+    if _posixshmem is None:  # pragma: no cover - Windows
+        raise SegmentError(
+            errno.ENOSYS, f"sharexec needs POSIX shared memory, not available on {sys.platform}"
+        )
+
+
+def _new_name() -> str:
+    return f"{PREFIX}{os.getpid()}-{secrets.token_urlsafe(9)}"
+
+
+def _map(fd: int, name: str, size: int, private: bool) -> Mapping:
+    access = mmap.ACCESS_COPY if private else mmap.ACCESS_WRITE
+    mapping = Mapping(fd, size, access=access)
+    mapping.name = name
+    probe = ctypes.c_char.from_buffer(mapping)
+    mapping.address = ctypes.addressof(probe)
+    del probe  # releases the buffer export, so the mapping can be closed later
+    mapping.owner = None
+    return mapping
+
+
+def create(size: int) -> Mapping:
+    """Create a new segment of ``size`` bytes (mode 0600) and map it shared.
+
+    The space is reserved up front (``posix_fallocate``), so a full shared-memory folder
+    fails here with :class:`SegmentError` instead of killing the process with SIGBUS at
+    the first write. The pages read as zeros.
+    """
+    _check_platform()
+    size = max(size, 1)
+    name = _new_name()
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise SegmentError(exc.errno, f"cannot create shared-memory segment: {exc}") from exc
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:  # pragma: no cover - macOS reserves nothing; ftruncate is all it has
+            os.ftruncate(fd, size)
+        return _map(fd, name, size, private=False)
+    except OSError as exc:
+        _posixshmem.shm_unlink("/" + name)  # never created, as far as anyone else knows
+        raise SegmentError(
+            exc.errno,
+            f"cannot reserve {size:,} bytes of shared memory in {SHM_FOLDER}: "
+            f"{os.strerror(exc.errno or 0)}",
+        ) from exc
+    finally:
+        os.close(fd)
+
+
+def attach(name: str, size: int, private: bool) -> Mapping:
+    """Map an existing segment: shared (writes are seen by every process mapping it) or
+    private (copy-on-write: this process's writes stay its own)."""
+    _check_platform()
+    flags = os.O_RDONLY if private else os.O_RDWR
+    try:
+        fd = _posixshmem.shm_open("/" + name, flags, 0o600)
+    except OSError as exc:
+        raise SegmentError(
+            exc.errno, f"cannot attach shared-memory segment {name!r}: {exc.strerror}"
+        ) from exc
+    try:
+        return _map(fd, name, max(size, 1), private)
+    finally:
+        os.close(fd)
+
+
+def unlink(name: str) -> None:
+    """Remove a segment's name; its memory is freed once no process maps it."""
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass
+
+
+def listdir() -> list[str]:
+    """Names of the sharexec segments that exist now (Linux; empty elsewhere)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_FOLDER) if n.startswith(PREFIX))
+    except FileNotFoundError:  # pragma: no cover - no /dev/shm
+        return []

@@ -1,0 +1,22 @@
+"""The exceptions sharexec raises.
+
+Every error is a :class:`SharexecError` and also subclasses the builtin that callers
+already catch: a failing segment is an :class:`OSError`, a bad option a
+:class:`ValueError`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "SegmentError", "SharexecError"]
+
+
+class SharexecError(Exception):
+    """Base class of every exception raised by sharexec itself."""
+
+
+class SegmentError(SharexecError, OSError):
+    """A shared-memory segment could not be created, sized or attached."""
+
+
+class ConfigError(SharexecError, ValueError):
+    """An option or ``SHAREXEC_*`` environment variable is unknown or invalid."""
