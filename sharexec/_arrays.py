@@ -7,8 +7,9 @@ used on both sides of every transfer.
 
 Why a subclass: shared arrays must also travel by reference through
 :mod:`multiprocessing`'s own pickler (``Process`` arguments, ``Queue``, ``Pool``), whose
-reducers are looked up by exact type. Registering a reducer for :class:`SharedArray`
-(done on first allocation, never at import) changes nothing for any other array.
+reducers are looked up by exact type, and through loky's. Registering a reducer for
+:class:`SharedArray` with each (done on first allocation, never at import) changes nothing
+for any other array.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
+from loky.backend import reduction as loky_reduction
 
 from . import _tracking
 from ._segments import Mapping
@@ -160,7 +162,10 @@ _registered_with_multiprocessing = False
 def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: str) -> SharedArray:
     global _registered_with_multiprocessing
     if not _registered_with_multiprocessing:
+        # Both are public registration hooks for exact types: multiprocessing's pickler
+        # (Process arguments, Queue, Pool) and loky's (its Process and queues).
         ForkingPickler.register(SharedArray, _reduce_for_multiprocessing)
+        loky_reduction.register(SharedArray, _reduce_for_multiprocessing)
         _registered_with_multiprocessing = True
     dtype = np.dtype(dtype)
     if dtype.hasobject:

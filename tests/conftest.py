@@ -1,0 +1,93 @@
+"""Fixtures shared by the whole suite: start methods, executors, and leak checks."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+from collections.abc import Iterator
+
+import pytest
+
+import sharexec
+from sharexec import _segments
+
+START_METHODS = ["spawn", "fork", "forkserver", "loky"]
+
+# Helper processes that outlive a pool by design (one per test session at most).
+_HELPERS = ("resource_tracker", "forkserver import main")
+
+
+def descendants(pid: int | None = None) -> dict[int, str]:
+    """Every live descendant of ``pid`` (default: this process), with its command line."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: dict[int, str] = {}
+    todo = [os.getpid() if pid is None else pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    found[child] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            todo.append(child)
+    return found
+
+
+def workers_left() -> dict[int, str]:
+    """Descendants that are not the long-lived helpers (resource trackers, fork servers)."""
+    return {p: cmd for p, cmd in descendants().items() if not any(h in cmd for h in _HELPERS)}
+
+
+def segments_now() -> set[str]:
+    return set(_segments.listdir())
+
+
+@pytest.fixture(params=START_METHODS)
+def start_method(request: pytest.FixtureRequest) -> str:
+    """Every behaviour is tested under each start method."""
+    return str(request.param)
+
+
+@pytest.fixture
+def mp_context(start_method: str) -> multiprocessing.context.BaseContext:
+    """A multiprocessing context for the start method (loky's own for "loky")."""
+    if start_method == "loky":
+        from loky.backend.context import get_context
+
+        return get_context("loky")
+    return multiprocessing.get_context(start_method)
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """Fails the test if it leaves a child process or a sharexec segment behind."""
+    before = segments_now()
+    yield
+    gc.collect()
+    left = segments_now() - before
+    assert not left, f"segments left behind: {sorted(left)}"
+    assert not workers_left(), f"processes left behind: {workers_left()}"
+
+
+@pytest.fixture
+def executor(
+    start_method: str, no_leaks: None
+) -> Iterator[sharexec.SharedProcessPoolExecutor]:
+    """A 2-worker executor, shut down (waiting) on teardown; nothing may be left after."""
+    ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+    try:
+        yield ex
+    finally:
+        ex.shutdown(wait=True)
+        assert ex._flags.broken is None, "the pool was broken"

@@ -1,0 +1,419 @@
+"""The sharing rules of DESIGN.md D3, each checked by value, under every start method."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import workers
+
+import sharexec
+
+pytestmark = pytest.mark.timeout(120)
+
+LARGE = 300_000  # float64 elements: 2.4 MB, above the 1 MiB default threshold
+SMALL = 100
+
+
+@dataclasses.dataclass
+class Box:
+    """A user object hiding arrays inside it, several levels deep."""
+
+    payload: Any
+
+
+def deep(x: Any, depth: int = 6) -> Any:
+    for i in range(depth):
+        x = [{"level": i, "inner": (Box(x),)}]
+    return x
+
+
+def undeep(x: Any, depth: int = 6) -> Any:
+    for _ in range(depth):
+        x = x[0]["inner"][0].payload
+    return x
+
+
+# ---------------------------------------------------------------------------------------
+# Rule 1: shared arrays travel by reference, writes are seen both ways
+# ---------------------------------------------------------------------------------------
+
+
+def test_fill_one_array_from_slices(executor):
+    """Our users' first problem, as written, with only the allocation changed."""
+    arr = sharexec.zeros(4)
+    futures = [executor.submit(workers.do_stuff, i, arr[i : i + 1]) for i in range(4)]
+    for f in futures:
+        f.result()
+    assert arr.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_fill_one_array_with_pool_apply(mp_context, no_leaks):
+    arr = sharexec.zeros(4)
+    with mp_context.Pool(2) as pool:
+        for i in range(4):
+            pool.apply(workers.do_stuff, (i, arr[i : i + 1]))
+    assert arr.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        pytest.param(lambda a: a, id="whole"),
+        pytest.param(lambda a: a[3:17], id="slice"),
+        pytest.param(lambda a: a[::3], id="strided"),
+        pytest.param(lambda a: a[::-2], id="negative-stride"),
+        pytest.param(lambda a: a.reshape(20, 30).T, id="transposed"),
+        pytest.param(lambda a: a.reshape(20, 30)[2:9, ::-4], id="2d-offset-odd-strides"),
+        pytest.param(lambda a: a[5:6].reshape(()), id="0-d"),
+        pytest.param(lambda a: a[7:7], id="empty"),
+    ],
+)
+def test_worker_writes_through_shared_views(executor, view):
+    a = sharexec.zeros(600)
+    v = view(a)
+    expected = np.zeros(600)
+    view(expected)[...] = 5.0
+    executor.submit(workers.fill, v, 5.0).result()
+    np.testing.assert_array_equal(a, expected)
+
+
+def test_f_order_shared_array(executor):
+    a = sharexec.zeros((40, 30), order="F")
+    executor.submit(workers.fill, a[:, 10:20], 2.0).result()
+    assert a.flags.f_contiguous
+    assert a[:, 10:20].sum() == 2.0 * 400 and a.sum() == 2.0 * 400
+
+
+def test_parent_writes_seen_by_worker_after_dispatch(executor):
+    """Our users' second problem, through a task: the worker reads after the parent wrote."""
+    from multiprocessing import get_context
+
+    a = sharexec.zeros(2)
+    with get_context("spawn").Manager() as manager:
+        started, go = manager.Event(), manager.Event()
+        future = executor.submit(workers.wait_then_read, a, started, go)
+        assert started.wait(60)
+        a[0] = 1.0
+        go.set()
+        assert future.result() == 1.0
+
+
+def test_parent_writes_seen_by_plain_process(mp_context, no_leaks):
+    """Our users' second problem, with a plain multiprocessing.Process."""
+    a = sharexec.zeros(2)
+    started, go = mp_context.Event(), mp_context.Event()
+    queue = mp_context.Queue()
+    p = mp_context.Process(target=_child_reads, args=(a, started, go, queue))
+    p.start()
+    try:
+        assert started.wait(60)
+        a[0] = 1.0
+        go.set()
+        assert queue.get(timeout=60) == 1.0
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+
+
+def _child_reads(a, started, go, queue):
+    started.set()
+    go.wait(60)
+    queue.put(float(a[0]))
+
+
+def test_shared_arrays_nested_in_containers_and_kwargs(executor):
+    a = sharexec.zeros(10)
+    b = sharexec.zeros(10)
+    executor.submit(workers.fill, undeep(deep(a[2:5])), 1.0).result()
+    executor.submit(_fill_kw, out={"x": (b[::2],)}, value=3.0).result()
+    assert a.tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0]
+    assert b.tolist() == [3, 0] * 5
+
+
+def _fill_kw(*, out, value):
+    out["x"][0][...] = value
+
+
+def test_shared_result_view_comes_back_by_reference(executor):
+    a = sharexec.zeros(LARGE)
+    r = executor.submit(workers.return_arg_view, a).result()
+    assert sharexec.is_shared(r) and isinstance(r, sharexec.SharedArray)
+    r[...] = 9.0  # writes into a, as the view did in the worker
+    assert a[1:-1:2].sum() == 9.0 * r.size and a[0] == 0.0
+
+
+def test_worker_allocated_shared_array_is_handed_to_parent(executor):
+    r = executor.submit(workers.make_shared, 1000, 4.0).result()
+    assert sharexec.is_shared(r) and r.tolist() == [4.0] * 1000
+    # the parent now owns it: another worker writes into it, the parent sees the write
+    executor.submit(workers.fill, r[:10], -1.0).result()
+    assert r[:10].tolist() == [-1.0] * 10 and r[10] == 4.0
+
+
+def test_shared_array_passed_as_initarg(start_method, no_leaks):
+    flags = sharexec.zeros(64)
+    table = np.arange(LARGE, dtype=float)
+    with sharexec.SharedProcessPoolExecutor(
+        2, mp_context=start_method, initializer=workers.init_worker, initargs=(table, flags)
+    ) as ex:
+        results = [ex.submit(workers.read_initialized).result() for _ in range(4)]
+    assert flags.sum() >= 1  # each initializer wrote into the shared array
+    for value, in_segment, shared in results:
+        assert value == table.sum()
+        assert shared
+        assert in_segment or start_method == "fork"  # fork inherits, nothing is sent
+
+
+def test_shared_array_pickled_to_bytes_stores_its_data():
+    a = sharexec.full(5, 3.0)
+    b = pickle.loads(pickle.dumps(a))
+    assert type(b) is np.ndarray and b.tolist() == [3.0] * 5
+    b[0] = 0
+    assert a[0] == 3.0
+
+
+# ---------------------------------------------------------------------------------------
+# Rule 2: large private arrays are copied once, seen copy-on-write
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: np.arange(LARGE, dtype=np.float64), id="contiguous"),
+        pytest.param(lambda: np.arange(4 * LARGE, dtype=np.int32)[5::3], id="offset-strided"),
+        pytest.param(lambda: np.arange(2 * LARGE, dtype=np.float64)[::-1], id="negative"),
+        pytest.param(
+            lambda: np.asfortranarray(np.arange(LARGE, dtype=np.float32).reshape(600, -1)),
+            id="f-order",
+        ),
+        pytest.param(
+            lambda: np.arange(2 * LARGE, dtype=np.float64).reshape(1000, -1)[:, :500],
+            id="non-contiguous-columns",
+        ),
+        pytest.param(lambda: np.arange(LARGE, dtype=">f8"), id="big-endian"),
+        pytest.param(
+            lambda: np.arange(LARGE).astype("datetime64[s]"), id="datetime64"
+        ),
+        pytest.param(
+            lambda: np.zeros(LARGE, dtype=[("x", "<i4"), ("y", "<f8")]), id="structured"
+        ),
+        pytest.param(lambda: np.arange(LARGE, dtype=complex), id="complex"),
+    ],
+)
+def test_large_private_arrays_arrive_exact_through_a_segment(executor, make):
+    a = make()
+    got = executor.submit(workers.describe, a).result()
+    assert got["in_segment"] and not got["shared"] and got["writeable"]
+    assert got["dtype"] == a.dtype  # byte order included
+    np.testing.assert_array_equal(got["copy"], a)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: np.arange(SMALL, dtype=float), id="small"),
+        pytest.param(lambda: np.array(3.5), id="0-d"),
+        pytest.param(lambda: np.zeros((0, 5)), id="empty"),
+        pytest.param(lambda: np.array([{"a": 1}, None, "x"] * 100_000, dtype=object), id="object"),
+    ],
+)
+def test_small_and_object_arrays_are_pickled(executor, make):
+    a = make()
+    got = executor.submit(workers.describe, a).result()
+    assert not got["in_segment"]
+    assert got["dtype"] == a.dtype and got["copy"].shape == a.shape
+    assert got["copy"].tolist() == a.tolist()
+
+
+def test_worker_writes_to_private_argument_stay_private(executor):
+    a = np.arange(LARGE, dtype=float)
+    expected = a.copy()
+    assert executor.submit(workers.write_and_sum, a).result() == 7.0 * LARGE
+    np.testing.assert_array_equal(a, expected)
+    # a second task gets its own, untouched view
+    assert executor.submit(workers.total, a).result() == expected.sum()
+
+
+def test_private_arrays_nested_in_containers_kwargs_and_objects(executor):
+    a = np.arange(LARGE, dtype=float)
+    got = executor.submit(workers.describe, undeep(deep(a))).result()
+    assert got["in_segment"]
+    np.testing.assert_array_equal(got["copy"], a)
+    x = np.ones(LARGE)
+    y = {"nested": [np.full(LARGE, 2.0)]}
+    assert executor.submit(workers.kwargs_sum, x=x, y=y).result() == 3.0 * LARGE
+
+
+def test_views_of_one_private_array_in_one_task_alias_as_in_the_parent(executor):
+    """Several views of one base in one task share one copy: they alias in the worker as
+    they do in the parent (a write through one shows through the other)."""
+    a = np.arange(LARGE, dtype=float)
+    before = a.copy()
+    got = executor.submit(_write_first_read_second, a, a[::-1]).result()
+    assert got == 7.0  # a[::-1][-1] is a[0]
+    np.testing.assert_array_equal(a, before)  # and the parent never sees it
+
+
+def _write_first_read_second(first, second):
+    first[0] = 7.0
+    return float(second[-1])
+
+
+def test_changed_array_is_never_served_a_stale_copy(executor):
+    from multiprocessing import get_context
+
+    a = np.ones(LARGE)
+    with get_context("spawn").Manager() as manager:
+        go = manager.Event()
+        held = executor.submit(workers.hold, a, go)  # keeps its copy of `a` in flight
+        same = executor.submit(workers.total, a).result()
+        a[123] = 1000.0
+        changed = executor.submit(workers.total, a).result()
+        go.set()
+        assert held.result() == LARGE
+    assert same == LARGE
+    assert changed == LARGE - 1 + 1000.0
+
+
+def test_memory_is_bounded_by_tasks_in_flight(executor):
+    a = np.random.default_rng(0).random(4_000_000)  # 32 MB
+    futures = [executor.submit(workers.sum_and_segment_bytes, a) for _ in range(50)]
+    results = [f.result() for f in futures]
+    assert all(s == a.sum() for s, _ in results)
+    peak = max(b for _, b in results)
+    assert peak <= 2 * a.nbytes + (1 << 20), f"{peak / a.nbytes:.1f} copies in shared memory"
+
+
+def test_map_over_chunks_of_a_large_array(executor):
+    a = np.random.default_rng(1).random(4_000_000)  # 2 MB chunks
+    chunks = np.array_split(a, 16)
+    assert list(executor.map(workers.total, chunks)) == [float(c.sum()) for c in chunks]
+    assert list(executor.map(workers.in_segment, chunks)) == [True] * 16
+
+
+def test_private_array_passed_as_initarg_is_copied_once(start_method, no_leaks):
+    table = np.arange(LARGE, dtype=float)
+    flags = sharexec.zeros(64)
+    with sharexec.SharedProcessPoolExecutor(
+        2, mp_context=start_method, initializer=workers.init_worker, initargs=(table, flags)
+    ) as ex:
+        value, in_segment, _ = ex.submit(workers.read_initialized).result()
+    assert value == table.sum()
+    assert in_segment == (start_method != "fork")
+
+
+# ---------------------------------------------------------------------------------------
+# Rule 3: out-of-band buffers of any protocol-5 object
+# ---------------------------------------------------------------------------------------
+
+
+class ZeroCopyBytes(bytearray):
+    """A protocol-5 object, as in the pickle documentation."""
+
+    def __reduce_ex__(self, protocol):
+        if protocol >= 5:
+            return type(self)._reconstruct, (pickle.PickleBuffer(self),), None
+        return type(self)._reconstruct, (bytearray(self),)
+
+    @classmethod
+    def _reconstruct(cls, obj):
+        with memoryview(obj) as m:
+            return cls(m)  # a copy, as pickle's example does on load
+
+
+def test_protocol5_buffers_of_other_objects_go_through_segments(executor):
+    big = ZeroCopyBytes(b"ab" * 1_000_000)
+    small = ZeroCopyBytes(b"xy" * 10)
+    got_big, got_small = executor.submit(workers.identity, (big, small)).result()
+    assert type(got_big) is ZeroCopyBytes and got_big == big
+    assert type(got_small) is ZeroCopyBytes and got_small == small
+
+
+def test_protocol5_buffer_seen_in_worker_comes_from_a_segment(executor):
+    assert executor.submit(_buffer_in_segment, _Raw(np.arange(LARGE))).result()
+
+
+class _Raw:
+    """Hands its array's bytes out of band and rebuilds without copying."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __reduce_ex__(self, protocol):
+        return _raw_rebuild, (pickle.PickleBuffer(self.a.view(np.uint8)),)
+
+
+def _raw_rebuild(buf):
+    return np.frombuffer(buf, np.uint8)
+
+
+def _buffer_in_segment(raw):
+    return workers.in_segment(raw)
+
+
+# ---------------------------------------------------------------------------------------
+# Rule 5: results come back through shared memory
+# ---------------------------------------------------------------------------------------
+
+
+def test_large_result_comes_back_through_a_segment(executor):
+    r = executor.submit(workers.make_private, LARGE, 2.5).result()
+    assert type(r) is np.ndarray and r.flags.writeable
+    assert workers.in_segment(r) and not sharexec.is_shared(r)
+    assert r.tolist() == [2.5] * LARGE
+    r[0] = 0  # private: nobody else sees it
+
+
+def test_small_result_is_pickled(executor):
+    r = executor.submit(workers.make_private, SMALL, 2.5).result()
+    assert not workers.in_segment(r) and r.tolist() == [2.5] * SMALL
+
+
+def test_returned_private_argument_is_copied_back(executor):
+    a = np.arange(LARGE, dtype=float)
+    r = executor.submit(workers.return_arg_view, a).result()
+    np.testing.assert_array_equal(r, a[1:-1:2])
+    assert not sharexec.is_shared(r)
+
+
+def test_nested_results(executor):
+    r = executor.submit(workers.identity, deep({"x": np.arange(LARGE)})).result()
+    np.testing.assert_array_equal(undeep(r)["x"], np.arange(LARGE))
+
+
+def test_result_passed_to_another_task_is_copied(executor):
+    r = executor.submit(workers.make_private, LARGE, 1.0).result()
+    assert executor.submit(workers.write_and_sum, r).result() == 7.0 * LARGE
+    assert r.tolist() == [1.0] * LARGE
+
+
+# ---------------------------------------------------------------------------------------
+# Errors keep their types
+# ---------------------------------------------------------------------------------------
+
+
+def test_task_exception_keeps_type_and_remote_traceback(executor):
+    f = executor.submit(workers.raise_value_error, "boom")
+    with pytest.raises(ValueError, match="boom") as info:
+        f.result()
+    assert "raise_value_error" in str(info.value.__cause__)
+
+
+def test_task_with_large_argument_that_raises_frees_its_segments(executor):
+    f = executor.submit(_raise_after_reading, np.ones(LARGE))
+    with pytest.raises(ZeroDivisionError):
+        f.result()
+
+
+def _raise_after_reading(a):
+    return a.sum() / 0 if False else 1 / 0
+
+
+def test_lambdas_and_closures_work(executor):
+    k = 3.0
+    assert executor.submit(lambda a: float(a.sum()) * k, np.ones(LARGE)).result() == 3.0 * LARGE

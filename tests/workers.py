@@ -1,0 +1,127 @@
+"""Functions that run in worker processes; a module of their own so spawn can import them."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+import sharexec
+from sharexec import _segments
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+def set_first(out: np.ndarray, value: float) -> None:
+    out[0] = value
+
+
+def do_stuff(i: int, out: np.ndarray) -> None:
+    out[0] = i
+
+
+def fill(out: np.ndarray, value: float) -> None:
+    out[...] = value
+
+
+def total(a: np.ndarray) -> float:
+    return float(a.sum())
+
+
+def write_and_sum(a: np.ndarray) -> float:
+    """Writes into its (private) argument, then reads it back."""
+    a[...] = 7
+    return float(a.sum())
+
+
+def describe(a: Any) -> dict[str, Any]:
+    """What the worker received: value, flags, and whether it sits in a segment."""
+    return {
+        "copy": None if not isinstance(a, np.ndarray) else np.array(a, copy=True),
+        "dtype": getattr(a, "dtype", None),
+        "writeable": bool(getattr(a, "flags", None) and a.flags.writeable),
+        "in_segment": in_segment(a),
+        "shared": sharexec.is_shared(a),
+        "type": type(a).__name__,
+    }
+
+
+def in_segment(a: Any) -> bool:
+    """Whether an array's memory comes from a sharexec segment mapping."""
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return isinstance(base, _segments.Mapping)
+
+
+def segment_bytes() -> int:
+    """Bytes held by sharexec segments on this machine right now."""
+    size = 0
+    for name in _segments.listdir():
+        try:
+            size += os.stat(os.path.join(_segments.SHM_FOLDER, name)).st_size
+        except FileNotFoundError:
+            pass
+    return size
+
+
+def sum_and_segment_bytes(a: np.ndarray) -> tuple[float, int]:
+    return float(a.sum()), segment_bytes()
+
+
+def make_shared(n: int, value: float) -> np.ndarray:
+    out = sharexec.full(n, value)
+    return out
+
+
+def make_private(n: int, value: float) -> np.ndarray:
+    return np.full(n, value)
+
+
+def return_arg_view(a: np.ndarray) -> np.ndarray:
+    return a[1:-1:2]
+
+
+def raise_value_error(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def wait_then_read(a: np.ndarray, started: Any, go: Any) -> float:
+    started.set()
+    if not go.wait(60):
+        raise TimeoutError("never told to go")
+    return float(a[0])
+
+
+def hold(a: np.ndarray, go: Any) -> float:
+    if not go.wait(60):
+        raise TimeoutError("never told to go")
+    return float(a.sum())
+
+
+def kwargs_sum(*, x: np.ndarray, y: dict[str, Any]) -> float:
+    return float(x.sum() + y["nested"][0].sum())
+
+
+_initialized: dict[str, Any] = {}
+
+
+def init_worker(table: np.ndarray, shared: np.ndarray) -> None:
+    _initialized["table"] = table
+    _initialized["shared"] = shared
+    shared[os.getpid() % len(shared)] = 1  # proves the initializer saw the shared array
+
+
+def read_initialized() -> tuple[float, bool, bool]:
+    table = _initialized["table"]
+    return float(table.sum()), in_segment(table), sharexec.is_shared(_initialized["shared"])
+
+
+def now() -> float:
+    return time.monotonic()
