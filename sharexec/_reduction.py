@@ -201,13 +201,22 @@ def dumps(obj: Any, min_share_bytes: int, transport: Transport | None = None) ->
     """
     state = Pass(min_share_bytes, transport)
     out = io.BytesIO()
-    _Pickler(out, state).dump(obj)
+    pickler = _Pickler(out, state)
+    try:
+        pickler.dump(obj)
+        packed = Packed(out.getvalue(), state.buffers, state.keep)
+    finally:
+        # The C pickler holds its own bound reducer_override: a reference cycle that
+        # only the garbage collector would break. Empty it now, so that the arguments
+        # it memoized and the segments of a failed pass are freed at once.
+        pickler.clear_memo()
+        state.buffers, state.keep, state._copied = [], [], []
     if transport is None:
         # Only now that the pass succeeded: the result's copies, and the shared arrays
         # this worker allocated, become the parent's to free.
-        for mapping in state.keep:
+        for mapping in packed.keep:
             _tracking.hand_off(mapping)
-    return Packed(out.getvalue(), state.buffers, state.keep)
+    return packed
 
 
 def _loads(payload: bytes, buffers: list[BufferRef], attach: Callable[[str, int], Mapping]) -> Any:

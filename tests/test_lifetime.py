@@ -1,0 +1,147 @@
+"""Segment lifetimes on the normal paths (DESIGN.md D4): nothing outlives its last user."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import workers
+from conftest import segments_now
+
+import sharexec
+from sharexec import _tracking
+from sharexec._arrays import byte_bounds
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def segment_of(a: np.ndarray) -> str:
+    found = _tracking.find_shared(*byte_bounds(a))
+    assert found is not None
+    return found[0].name
+
+
+def test_shared_array_is_unlinked_with_its_last_view(no_leaks):
+    a = sharexec.zeros(1000)
+    name = segment_of(a)
+    view = a[10:20].T
+    del a
+    gc.collect()
+    assert name in segments_now()
+    view[0] = 1.0  # still usable
+    del view
+    gc.collect()
+    assert name not in segments_now()
+
+
+def callbacks_done(future) -> threading.Event:
+    """Set once the done-callbacks registered before this one (sharexec's release) ran.
+
+    Call it right after submit: callbacks run in the order they were added, while one
+    added to a future already done runs at once, maybe before those of the manager.
+    """
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done
+
+
+def test_task_segments_are_released_when_the_future_completes(executor):
+    before = segments_now()
+    a = np.ones(300_000)
+    future = executor.submit(workers.total, a)
+    released = callbacks_done(future)
+    assert future.result() == a.size
+    assert released.wait(60)
+    assert segments_now() == before
+
+
+def test_failed_task_releases_its_segments(executor):
+    before = segments_now()
+    future = executor.submit(workers.raise_value_error, np.ones(300_000))
+    released = callbacks_done(future)
+    with pytest.raises(ValueError):
+        future.result()
+    assert released.wait(60)
+    assert segments_now() == before
+
+
+def test_result_segments_are_adopted_and_unlinked_at_once(executor):
+    before = segments_now()
+    r = executor.submit(workers.make_private, 300_000, 1.0).result()
+    assert workers.in_segment(r)
+    assert segments_now() == before  # mapped, but nameless: it cannot leak
+    assert r.sum() == 300_000
+
+
+def test_worker_frees_the_shared_arrays_it_keeps_to_itself(executor):
+    name = executor.submit(_allocate_and_drop).result()
+    assert name.startswith("sharexec-") and name not in segments_now()
+
+
+def _allocate_and_drop():
+    a = sharexec.zeros(100)
+    return segment_of(a)
+
+
+def test_handed_over_shared_array_is_freed_by_the_parent(executor):
+    r = executor.submit(workers.make_shared, 1000, 1.0).result()
+    name = segment_of(r)
+    assert name in segments_now()
+    del r
+    gc.collect()
+    assert name not in segments_now()
+
+
+def test_forked_child_never_frees_its_parents_segments(no_leaks):
+    import multiprocessing
+
+    a = sharexec.zeros(10)
+    name = segment_of(a)
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_drop_everything, args=(a,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert name in segments_now()
+    assert a[0] == 5.0  # the child's write, through the inherited mapping
+
+
+def _drop_everything(a):
+    a[0] = 5.0
+    del a
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, _tracking.Segment):
+            obj._finalizer()  # even a finalizer run by force does nothing in a child
+
+
+def test_nothing_left_after_exit_of_a_program_using_everything(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import numpy as np, sharexec
+            keep = sharexec.zeros(1000)
+
+            def f(a, b):
+                return a * 2, sharexec.full(10, 3.0), b
+
+            if __name__ == "__main__":
+                with sharexec.SharedProcessPoolExecutor(2, mp_context="spawn") as ex:
+                    r = ex.submit(f, np.ones(300_000), keep[::2]).result()
+                    assert r[0].sum() == 600_000 and r[1].sum() == 30.0
+                print("ok")
+            """
+        )
+    )
+    before = segments_now()
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "ok", out.stderr
+    assert segments_now() == before
