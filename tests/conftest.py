@@ -50,7 +50,18 @@ def workers_left() -> dict[int, str]:
 
 
 def segments_now() -> set[str]:
-    return set(_segments.listdir())
+    """The sharexec segments that exist now, less those of unrelated live processes.
+
+    A segment's name carries its creator's pid: one made by a live process that is neither
+    this one nor a descendant belongs to someone else on the machine (another test run).
+    """
+    ours = {os.getpid(), *descendants()}
+    names = set()
+    for name in _segments.listdir():
+        pid = int(name.split("-")[1])
+        if pid in ours or not os.path.exists(f"/proc/{pid}"):
+            names.add(name)
+    return names
 
 
 @pytest.fixture(params=START_METHODS)
@@ -81,9 +92,7 @@ def no_leaks() -> Iterator[None]:
 
 
 @pytest.fixture
-def executor(
-    start_method: str, no_leaks: None
-) -> Iterator[sharexec.SharedProcessPoolExecutor]:
+def executor(start_method: str, no_leaks: None) -> Iterator[sharexec.SharedProcessPoolExecutor]:
     """A 2-worker executor, shut down (waiting) on teardown; nothing may be left after."""
     ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
     try:

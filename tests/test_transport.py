@@ -196,12 +196,8 @@ def test_shared_array_pickled_to_bytes_stores_its_data():
             id="non-contiguous-columns",
         ),
         pytest.param(lambda: np.arange(LARGE, dtype=">f8"), id="big-endian"),
-        pytest.param(
-            lambda: np.arange(LARGE).astype("datetime64[s]"), id="datetime64"
-        ),
-        pytest.param(
-            lambda: np.zeros(LARGE, dtype=[("x", "<i4"), ("y", "<f8")]), id="structured"
-        ),
+        pytest.param(lambda: np.arange(LARGE).astype("datetime64[s]"), id="datetime64"),
+        pytest.param(lambda: np.zeros(LARGE, dtype=[("x", "<i4"), ("y", "<f8")]), id="structured"),
         pytest.param(lambda: np.arange(LARGE, dtype=complex), id="complex"),
     ],
 )

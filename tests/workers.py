@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -64,10 +65,8 @@ def segment_bytes() -> int:
     """Bytes held by sharexec segments on this machine right now."""
     size = 0
     for name in _segments.listdir():
-        try:
+        with contextlib.suppress(FileNotFoundError):
             size += os.stat(os.path.join(_segments.SHM_FOLDER, name)).st_size
-        except FileNotFoundError:
-            pass
     return size
 
 
