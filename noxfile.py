@@ -1,0 +1,59 @@
+"""Development sessions: ``nox`` runs tests, lint and typecheck; ``nox -s demo`` the demo.
+
+Each session installs what it needs into its own virtual environment (made with the
+standard library's ``venv``, so neither uv nor virtualenv is required) under the Python
+that runs nox. Arguments after ``--`` go to the session's command, e.g.
+``nox -s tests -- -x -k transport`` or ``nox -s demo -- --size-mb 64``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint", "typecheck"]
+
+ROOT = Path(__file__).parent
+# What lint covers; the folders are skipped while they hold no Python file.
+LINT_PATHS = ["sharexec", "tests", "noxfile.py", "examples", "bench"]
+
+
+def _present(paths: list[str]) -> list[str]:
+    found = []
+    for name in paths:
+        path = ROOT / name
+        if path.is_file() or (path.is_dir() and any(path.rglob("*.py"))):
+            found.append(name)
+    return found
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (``python -m pytest``) against an installed sharexec."""
+    session.install(".[test]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Check style and formatting with ruff (configured in pyproject.toml)."""
+    session.install("ruff>=0.6")
+    paths = _present(LINT_PATHS)
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """Type-check the package with ``mypy --strict``."""
+    session.install(".", "mypy>=1.10")
+    session.run("mypy", "--strict", "sharexec")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run ``python -m sharexec demo`` (sharexec against the stdlib executor)."""
+    session.install(".")
+    session.run("python", "-m", "sharexec", "demo", *session.posargs)
