@@ -102,8 +102,8 @@ def _span_to_copy(a: np.ndarray, low: int, high: int) -> tuple[int, int]:
     """The bytes to copy for ``a``: its own span, or its base's if it spans most of it.
 
     Copying the whole base for a view that covers more than half of it lets the other
-    views of that base in the same pass (``a``, ``a[::2]``, ``a.T``) share one copy;
-    a small view of a big array copies only what it spans.
+    views of that base in the same pass (``a``, ``a.T``, ``a[::2]`` after ``a``) share
+    one copy; a small view of a big array copies only what it spans.
     """
     root = a
     while isinstance(root.base, np.ndarray):
@@ -112,6 +112,14 @@ def _span_to_copy(a: np.ndarray, low: int, high: int) -> tuple[int, int]:
     if root_low <= low and high <= root_high and 2 * (high - low) > root_high - root_low:
         return root_low, root_high
     return low, high
+
+
+def _describe(a: np.ndarray, owner: object, low: int, high: int) -> Any:
+    """Reduce ``a`` to the bytes ``[low, high)`` it lies in, as a buffer, plus its geometry."""
+    span = np.asarray(_Span(owner, low, high - low))
+    first = a.__array_interface__["data"][0] - low
+    buffer = pickle.PickleBuffer(span)  # type: ignore[arg-type]  # an ndarray is a buffer
+    return rebuild_view, (buffer, first, a.shape, a.strides, a.dtype)
 
 
 class Pass:
@@ -142,10 +150,30 @@ class Pass:
             return reduce_shared(a, mapping, adopt)
         if a.nbytes < self.min_share_bytes:
             return None
+        if high - low != a.nbytes and not self._holds(low, high):
+            return self._compact(a)
+        # Dense (C, F, transposed, reversed: every byte it spans is its own), or inside
+        # bytes this pass copied already: describe it over the source bytes it spans.
         span_low, span_high = _span_to_copy(a, low, high)
-        span = np.asarray(_Span(a, span_low, span_high - span_low))
-        first = a.__array_interface__["data"][0] - span_low
-        return rebuild_view, (pickle.PickleBuffer(span), first, a.shape, a.strides, a.dtype)
+        return _describe(a, a, span_low, span_high)
+
+    def _holds(self, low: int, high: int) -> bool:
+        return any(lo <= low and high <= hi for lo, hi, _ in self._copied)
+
+    def _compact(self, a: np.ndarray) -> Any:
+        """Copy a gappy view (``a[::2]``, ``a[:, :500]``) compactly: only its elements.
+
+        Fresh shared pages cost far more than reading strided memory, so copying half
+        the bytes beats a memcpy of the whole span. The copy keeps ``a``'s axis order.
+        """
+        mapping = _tracking.new_private(a.nbytes)
+        order = "F" if a.ndim > 1 and abs(a.strides[0]) < abs(a.strides[-1]) else "C"
+        copy = np.ndarray(a.shape, a.dtype, buffer=mapping, order=order)
+        np.copyto(copy, a)
+        # Listed as copied, so take_buffer sends these bytes as they are.
+        self._copied.append((mapping.address, mapping.address + a.nbytes, mapping))
+        self.keep.append(mapping)
+        return _describe(copy, mapping, mapping.address, mapping.address + a.nbytes)
 
     def take_buffer(self, buffer: pickle.PickleBuffer) -> bool:
         """``buffer_callback``: True keeps a buffer in-band, False sends it out of band."""
@@ -154,9 +182,9 @@ class Pass:
         if length < self.min_share_bytes:
             return True
         low = _address(raw)
-        for copied_low, copied_high, mapping in self._copied:
+        for copied_low, copied_high, copied in self._copied:
             if copied_low <= low and low + length <= copied_high:
-                offset = low - copied_low
+                mapping, offset = copied, low - copied_low
                 break
         else:
             mapping = self._copy(raw, low)

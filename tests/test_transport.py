@@ -413,3 +413,23 @@ def _raise_after_reading(a):
 def test_lambdas_and_closures_work(executor):
     k = 3.0
     assert executor.submit(lambda a: float(a.sum()) * k, np.ones(LARGE)).result() == 3.0 * LARGE
+
+
+def test_gappy_view_copies_only_its_elements(executor):
+    a = np.random.default_rng(2).random(4_000_000)  # 32 MB
+    for view in (a[::4], a.reshape(2000, 2000)[:, :500], a.reshape(2000, 2000)[::-2, 1::2].T):
+        total, in_use = executor.submit(workers.sum_and_segment_bytes, view).result()
+        assert total == pytest.approx(view.sum(), rel=1e-12)
+        assert in_use < 2 * view.nbytes, f"{in_use} bytes shared for a {view.nbytes}-byte view"
+        got = executor.submit(workers.describe, view).result()
+        np.testing.assert_array_equal(got["copy"], view)
+
+
+def test_views_of_a_copied_base_add_no_copy(executor):
+    a = np.random.default_rng(3).random(2_000_000)  # 16 MB
+    (_, in_use), *_ = executor.submit(_sum_all, a, a[::2], a.T, a[::-3]).result()
+    assert in_use < 1.5 * a.nbytes
+
+
+def _sum_all(*arrays):
+    return [workers.sum_and_segment_bytes(x) for x in arrays]
