@@ -18,7 +18,7 @@ import math
 import operator
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, SupportsIndex
+from typing import Any, Literal, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -57,7 +57,7 @@ def byte_bounds(a: np.ndarray) -> tuple[int, int]:
     low = high = a.__array_interface__["data"][0]
     if a.size == 0:
         return low, low
-    for n, stride in zip(a.shape, a.strides):
+    for n, stride in zip(a.shape, a.strides, strict=False):
         if stride < 0:
             low += (n - 1) * stride
         else:
@@ -69,7 +69,8 @@ def rebuild_view(
     buffer: Any, offset: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype
 ) -> np.ndarray:
     """An array over ``buffer`` (zero-copy), its first element at byte ``offset``."""
-    return np.ndarray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
+    view: np.ndarray = np.ndarray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
+    return view
 
 
 # ---------------------------------------------------------------------------------------
@@ -132,7 +133,8 @@ def rebuild_shared(
 ) -> SharedArray:
     """Rebuild a view of a shared array from its segment's name and its geometry."""
     mapping = _tracking.attach_shared(name, size, adopt)
-    return SharedArray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
+    view: SharedArray = SharedArray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
+    return view
 
 
 def reduce_shared(a: np.ndarray, mapping: Mapping, adopt: bool = False) -> Any:
@@ -159,7 +161,7 @@ def _reduce_for_multiprocessing(a: SharedArray) -> Any:
 _registered_with_multiprocessing = False
 
 
-def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: str) -> SharedArray:
+def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: Literal["C", "F"]) -> SharedArray:
     global _registered_with_multiprocessing
     if not _registered_with_multiprocessing:
         # Both are public registration hooks for exact types: multiprocessing's pickler
@@ -180,7 +182,8 @@ def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: str) -> SharedArray:
     if any(n < 0 for n in shape):
         raise ValueError("negative dimensions are not allowed")
     mapping = _tracking.new_shared(math.prod(shape) * dtype.itemsize)
-    return SharedArray(shape, dtype, buffer=mapping, order=order)
+    array: SharedArray = SharedArray(shape, dtype, buffer=mapping, order=order)
+    return array
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,7 +191,9 @@ def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: str) -> SharedArray:
 # ---------------------------------------------------------------------------------------
 
 
-def empty(shape: ShapeLike, dtype: npt.DTypeLike = float, order: str = "C") -> SharedArray:
+def empty(
+    shape: ShapeLike, dtype: npt.DTypeLike = float, order: Literal["C", "F"] = "C"
+) -> SharedArray:
     """A new shared array, as :func:`numpy.empty`.
 
     Parameters
@@ -208,7 +213,9 @@ def empty(shape: ShapeLike, dtype: npt.DTypeLike = float, order: str = "C") -> S
     return _new(shape, dtype, order)
 
 
-def zeros(shape: ShapeLike, dtype: npt.DTypeLike = float, order: str = "C") -> SharedArray:
+def zeros(
+    shape: ShapeLike, dtype: npt.DTypeLike = float, order: Literal["C", "F"] = "C"
+) -> SharedArray:
     """A new shared array of zeros, as :func:`numpy.zeros`.
 
     Parameters
@@ -228,7 +235,9 @@ def zeros(shape: ShapeLike, dtype: npt.DTypeLike = float, order: str = "C") -> S
     return _new(shape, dtype, order)
 
 
-def ones(shape: ShapeLike, dtype: npt.DTypeLike = None, order: str = "C") -> SharedArray:
+def ones(
+    shape: ShapeLike, dtype: npt.DTypeLike | None = None, order: Literal["C", "F"] = "C"
+) -> SharedArray:
     """A new shared array of ones, as :func:`numpy.ones`.
 
     Parameters
@@ -249,7 +258,10 @@ def ones(shape: ShapeLike, dtype: npt.DTypeLike = None, order: str = "C") -> Sha
 
 
 def full(
-    shape: ShapeLike, fill_value: Any, dtype: npt.DTypeLike = None, order: str = "C"
+    shape: ShapeLike,
+    fill_value: Any,
+    dtype: npt.DTypeLike | None = None,
+    order: Literal["C", "F"] = "C",
 ) -> SharedArray:
     """A new shared array filled with ``fill_value``, as :func:`numpy.full`.
 
@@ -277,8 +289,11 @@ def full(
 
 
 def _like_args(
-    prototype: npt.ArrayLike, dtype: npt.DTypeLike, order: str, shape: ShapeLike | None
-) -> tuple[ShapeLike, np.dtype, str]:
+    prototype: npt.ArrayLike,
+    dtype: npt.DTypeLike | None,
+    order: Literal["C", "F", "A", "K"],
+    shape: ShapeLike | None,
+) -> tuple[ShapeLike, np.dtype, Literal["C", "F"]]:
     proto = np.asarray(prototype)
     new_shape: ShapeLike = proto.shape if shape is None else shape
     if order == "K" or order == "A":
@@ -288,8 +303,8 @@ def _like_args(
 
 def empty_like(
     prototype: npt.ArrayLike,
-    dtype: npt.DTypeLike = None,
-    order: str = "K",
+    dtype: npt.DTypeLike | None = None,
+    order: Literal["C", "F", "A", "K"] = "K",
     shape: ShapeLike | None = None,
 ) -> SharedArray:
     """A new shared array with the shape and dtype of ``prototype``, as :func:`numpy.empty_like`.
@@ -315,8 +330,8 @@ def empty_like(
 
 def zeros_like(
     prototype: npt.ArrayLike,
-    dtype: npt.DTypeLike = None,
-    order: str = "K",
+    dtype: npt.DTypeLike | None = None,
+    order: Literal["C", "F", "A", "K"] = "K",
     shape: ShapeLike | None = None,
 ) -> SharedArray:
     """A new shared array of zeros shaped like ``prototype``, as :func:`numpy.zeros_like`.
@@ -342,8 +357,8 @@ def zeros_like(
 
 def ones_like(
     prototype: npt.ArrayLike,
-    dtype: npt.DTypeLike = None,
-    order: str = "K",
+    dtype: npt.DTypeLike | None = None,
+    order: Literal["C", "F", "A", "K"] = "K",
     shape: ShapeLike | None = None,
 ) -> SharedArray:
     """A new shared array of ones shaped like ``prototype``, as :func:`numpy.ones_like`.
@@ -370,8 +385,8 @@ def ones_like(
 def full_like(
     prototype: npt.ArrayLike,
     fill_value: Any,
-    dtype: npt.DTypeLike = None,
-    order: str = "K",
+    dtype: npt.DTypeLike | None = None,
+    order: Literal["C", "F", "A", "K"] = "K",
     shape: ShapeLike | None = None,
 ) -> SharedArray:
     """A new shared array filled with ``fill_value``, as :func:`numpy.full_like`.

@@ -50,12 +50,14 @@ T = TypeVar("T")
 
 def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
     if mp_context is None:
-        return _loky_context()  # loky's own start method
+        context: BaseContext = _loky_context()  # loky's own start method
+        return context
     if isinstance(mp_context, str):
         if mp_context == "fork":
             # loky's get_context warns on "fork"; the stdlib's does not, nor do we.
             return multiprocessing.get_context("fork")
-        return _loky_context(mp_context)
+        context = _loky_context(mp_context)
+        return context
     if not hasattr(mp_context, "Process") or not hasattr(mp_context, "get_start_method"):
         raise TypeError(
             "mp_context must be a multiprocessing context or a start-method name, "

@@ -167,8 +167,8 @@ class Pass:
         the bytes beats a memcpy of the whole span. The copy keeps ``a``'s axis order.
         """
         mapping = _tracking.new_private(a.nbytes)
-        order = "F" if a.ndim > 1 and abs(a.strides[0]) < abs(a.strides[-1]) else "C"
-        copy = np.ndarray(a.shape, a.dtype, buffer=mapping, order=order)
+        f_order = a.ndim > 1 and abs(a.strides[0]) < abs(a.strides[-1])
+        copy = np.ndarray(a.shape, a.dtype, buffer=mapping, order="F" if f_order else "C")
         np.copyto(copy, a)
         # Listed as copied, so take_buffer sends these bytes as they are.
         self._copied.append((mapping.address, mapping.address + a.nbytes, mapping))

@@ -13,6 +13,7 @@ the leading slash, inside macOS's limit of 31.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -118,10 +119,8 @@ def attach(name: str, size: int, private: bool) -> Mapping:
 
 def unlink(name: str) -> None:
     """Remove a segment's name; its memory is freed once no process maps it."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
 
 
 def listdir() -> list[str]:

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import weakref
+from functools import partial
 
 from . import _segments
 from ._segments import Mapping
@@ -33,9 +34,9 @@ __all__ = [
     "attach_shared",
     "find_shared",
     "hand_off",
-    "owns",
     "new_private",
     "new_shared",
+    "owns",
 ]
 
 logger = logging.getLogger("sharexec")
@@ -108,12 +109,12 @@ def _register(mapping: Mapping) -> Mapping:
     start = mapping.address
     with _lock:
         bisect.insort(_starts, start)
-        _by_start[start] = weakref.ref(mapping, lambda _, start=start: _forget(start))
+        _by_start[start] = weakref.ref(mapping, partial(_forget, start))
         _by_name[mapping.name] = mapping
     return mapping
 
 
-def _forget(start: int) -> None:
+def _forget(start: int, _: object = None) -> None:
     with _lock:
         _by_start.pop(start, None)
         i = bisect.bisect_left(_starts, start)
