@@ -14,7 +14,7 @@ import sharexec
 
 pytestmark = pytest.mark.timeout(120)
 
-LARGE = 300_000  # float64 elements: 2.4 MB, above the 1 MiB default threshold
+LARGE = 300_000  # float64 elements: 2.4 MB, above the 256 KiB default threshold
 SMALL = 100
 
 
