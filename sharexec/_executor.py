@@ -39,6 +39,8 @@ from typing import Any, TypeVar
 
 from loky import ProcessPoolExecutor as _LokyExecutor
 from loky.backend.context import get_context as _loky_context
+from loky.backend.queues import SimpleQueue as _LokySimpleQueue
+from loky.process_executor import ShutdownExecutorError, _RecycledWorkerPid, _SafeQueue
 
 from ._config import Options
 from ._reduction import Task, Transport, run, run_initializer
@@ -89,8 +91,9 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
     initargs : tuple, default ()
         Arguments of ``initializer``.
     max_tasks_per_child : int, optional
-        Validated as the standard library does; recycling workers is not supported yet
-        and raises :class:`NotImplementedError`.
+        Each worker runs at most this many tasks, then is replaced by a new one. As in
+        the standard library, it needs a start method other than ``fork``, and defaults
+        to ``spawn`` when ``mp_context`` is not given.
     **options
         sharexec options (see :class:`sharexec._config.Options`), e.g.
         ``min_share_bytes``. An unknown option is a :class:`~sharexec.ConfigError`.
@@ -107,13 +110,20 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         **options: Any,
     ) -> None:
         self._options = Options.resolve(options)
-        context = _resolve_context(mp_context)
         if max_tasks_per_child is not None:
             if not isinstance(max_tasks_per_child, int):
                 raise TypeError("max_tasks_per_child must be an integer")
             if max_tasks_per_child <= 0:
                 raise ValueError("max_tasks_per_child must be >= 1")
-            raise NotImplementedError("max_tasks_per_child is not supported by sharexec yet")
+            if mp_context is None:
+                mp_context = "spawn"  # as the standard library
+        context = _resolve_context(mp_context)
+        if max_tasks_per_child is not None and context.get_start_method() == "fork":
+            raise ValueError(
+                "max_tasks_per_child is incompatible with the 'fork' multiprocessing "
+                "start method; supply a different mp_context."
+            )
+        self._max_tasks_per_child = max_tasks_per_child
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self._transport = Transport(self._options.min_share_bytes)
@@ -130,6 +140,24 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             initargs=initargs,
         )
 
+    def _setup_queues(
+        self, job_reducers: Any, result_reducers: Any, queue_size: int | None = None
+    ) -> None:
+        super()._setup_queues(job_reducers, result_reducers, queue_size)
+        if self._max_tasks_per_child is not None:
+            # Same queues, with worker recycling: see _RecyclingCallQueue.
+            self._call_queue.__class__ = _RecyclingCallQueue
+            self._call_queue.max_tasks = self._max_tasks_per_child
+            self._result_queue.__class__ = _RecyclingResultQueue
+
+    def _start_executor_manager_thread(self) -> None:
+        super()._start_executor_manager_thread()
+        if self._max_tasks_per_child is not None:
+            # Recycling is asked for: loky's warning about a recycled worker (meant for
+            # its memory-leak recycling) would be noise. Set before any worker can have
+            # finished its tasks, hence before the manager thread can read it.
+            self._executor_manager_thread.recycling_warned = True
+
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Schedule ``fn(*args, **kwargs)`` in a worker; return its future.
 
@@ -137,7 +165,10 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         worker, and large array results come back the same way.
         """
         task = Task(fn, args, kwargs, self._transport)
-        future: Future[T] = super().submit(run, task)
+        try:
+            future: Future[T] = super().submit(run, task)
+        except ShutdownExecutorError as exc:
+            raise RuntimeError(str(exc)) from None  # the stdlib's plain RuntimeError
         future.add_done_callback(lambda _: task.release())
         return future
 
@@ -168,3 +199,49 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         super().shutdown(wait=wait)
         if wait and self._init_task is not None:
             self._init_task.release()
+
+
+# ---------------------------------------------------------------------------------------
+# Worker recycling (max_tasks_per_child), on loky's own clean-exit protocol
+# ---------------------------------------------------------------------------------------
+
+# In a worker: set once it has taken its last task.
+_recycling = False
+
+
+class _RecyclingCallQueue(_SafeQueue):  # type: ignore[misc]
+    """loky's call queue, which tells a worker to stop after ``max_tasks`` tasks.
+
+    A worker whose ``get`` returns None leaves by loky's clean path: it sends its pid on
+    the result queue, and the executor replaces it if work is pending (or at the next
+    submit). ``get`` only runs once the previous result is sent, so no task is lost.
+    """
+
+    max_tasks: int
+    _taken = 0  # tasks this worker has taken (each worker unpickles its own copy)
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (*super().__getstate__(), self.max_tasks)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        super().__setstate__(state[:-1])
+        self.max_tasks = state[-1]
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        global _recycling
+        if self._taken >= self.max_tasks:
+            _recycling = True
+            return None
+        item = super().get(block, timeout)
+        if item is not None:
+            self._taken += 1
+        return item
+
+
+class _RecyclingResultQueue(_LokySimpleQueue):  # type: ignore[misc]
+    """loky's result queue, which marks a recycled worker's exit as deliberate."""
+
+    def put(self, obj: Any) -> None:
+        if _recycling and type(obj) is int:
+            obj = _RecycledWorkerPid(obj)  # loky's mark: replaced without a warning
+        super().put(obj)

@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import threading
+import types
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +55,7 @@ __all__ = [
     "Transport",
     "dumps",
     "load_call",
+    "load_function",
     "load_result",
     "run",
     "run_initializer",
@@ -125,9 +129,12 @@ def _describe(a: np.ndarray, owner: object, low: int, high: int) -> Any:
 class Pass:
     """The state of one pickling pass: the buffers it took out of band, and why."""
 
-    def __init__(self, min_share_bytes: int, transport: Transport | None) -> None:
+    def __init__(
+        self, min_share_bytes: int, transport: Transport | None, cache_functions: bool = True
+    ) -> None:
         self.min_share_bytes = min_share_bytes
         self.transport = transport  # None: the backward pass of a worker
+        self.cache_functions = cache_functions and transport is not None
         self.buffers: list[BufferRef] = []
         self.keep: list[Mapping] = []
         # Byte ranges copied in this pass, e.g. [(140213, 8140213, <Mapping>)]: a buffer
@@ -175,6 +182,14 @@ class Pass:
         self.keep.append(mapping)
         return _describe(copy, mapping, mapping.address, mapping.address + a.nbytes)
 
+    def reduce_function(self, fn: types.FunctionType) -> Any:
+        """A function pickled once per executor, or None to let cloudpickle pickle it."""
+        if not self.cache_functions:
+            return None
+        assert self.transport is not None
+        payload = self.transport.function_payload(fn)
+        return None if payload is None else (load_function, (payload,))
+
     def take_buffer(self, buffer: pickle.PickleBuffer) -> bool:
         """``buffer_callback``: True keeps a buffer in-band, False sends it out of band."""
         raw = buffer.raw()
@@ -219,15 +234,24 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             reduced = self._state.reduce_array(obj)
             if reduced is not None:
                 return reduced
+        elif type(obj) is types.FunctionType:
+            reduced = self._state.reduce_function(obj)
+            if reduced is not None:
+                return reduced
         return super().reducer_override(obj)
 
 
-def dumps(obj: Any, min_share_bytes: int, transport: Transport | None = None) -> Packed:
+def dumps(
+    obj: Any,
+    min_share_bytes: int,
+    transport: Transport | None = None,
+    cache_functions: bool = True,
+) -> Packed:
     """Run one pass over ``obj``: forward with a ``transport``, backward without one.
 
     If the pass fails, every segment it created is dropped (and so unlinked).
     """
-    state = Pass(min_share_bytes, transport)
+    state = Pass(min_share_bytes, transport, cache_functions)
     out = io.BytesIO()
     pickler = _Pickler(out, state)
     try:
@@ -272,6 +296,30 @@ class Transport:
         # Copies still referenced by a task in flight, by the source bytes they hold,
         # e.g. {(140213, 8000000): <weakref to Mapping>}.
         self._copies: dict[tuple[int, int], weakref.ref[Mapping]] = {}
+        # Functions pickled once, e.g. {<function f>: b"\x80\x05…"}; None: not cacheable.
+        self._functions: weakref.WeakKeyDictionary[Callable[..., Any], bytes | None] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def function_payload(self, fn: types.FunctionType) -> bytes | None:
+        """The pickle of ``fn``, made once while ``fn`` lives, or None if it must not be cached.
+
+        cloudpickle pickles a function of ``__main__`` or a notebook by value, at a cost
+        that dominates small tasks (and loky pays it per task). A function is cached with
+        the globals it had when first sent, as the standard library's workers see the
+        module state of their own import; a closure is not cached (its cells may change
+        between calls), nor a function whose pickle holds large buffers.
+        """
+        if fn.__closure__ is not None or not _pickled_by_value(fn):
+            return None
+        with self._lock:
+            if fn in self._functions:
+                return self._functions[fn]
+        packed = dumps(fn, self.min_share_bytes, self, cache_functions=False)
+        payload = None if packed.buffers or packed.keep else packed.payload
+        with self._lock:
+            self._functions[fn] = payload
+        return payload
 
     def reusable_copy(self, raw: memoryview, low: int) -> Mapping | None:
         """A copy in flight of these very bytes, if their content has not changed since."""
@@ -297,6 +345,17 @@ class Transport:
 
         with self._lock:
             self._copies[key] = weakref.ref(mapping, forget)
+
+
+def _pickled_by_value(fn: types.FunctionType) -> bool:
+    """Whether cloudpickle pickles ``fn`` by value: not reachable by name in its module."""
+    module = sys.modules.get(fn.__module__)
+    if module is None or fn.__module__ == "__main__":
+        return True
+    found: Any = module
+    for part in fn.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is not fn
 
 
 class Task:
@@ -332,6 +391,23 @@ class Task:
 def load_call(payload: bytes, buffers: list[BufferRef], min_share_bytes: int) -> Any:
     """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared."""
     return _loads(payload, buffers, _tracking.attach_private), min_share_bytes
+
+
+# In a worker: functions already unpickled, by their pickle (most recent last).
+_functions: OrderedDict[bytes, Any] = OrderedDict()
+_FUNCTIONS_KEPT = 256
+
+
+def load_function(payload: bytes) -> Any:
+    """Unpickle a cached function once per worker."""
+    fn = _functions.get(payload)
+    if fn is None:
+        fn = _functions[payload] = pickle.loads(payload)
+        if len(_functions) > _FUNCTIONS_KEPT:
+            _functions.popitem(last=False)
+    else:
+        _functions.move_to_end(payload)
+    return fn
 
 
 def run(call: Any) -> Reply:

@@ -146,6 +146,8 @@ def test_constructor_validates_like_the_stdlib():
         sharexec.SharedProcessPoolExecutor(1, max_tasks_per_child=0)
     with pytest.raises(TypeError, match="max_tasks_per_child"):
         sharexec.SharedProcessPoolExecutor(1, max_tasks_per_child=1.5)
+    with pytest.raises(ValueError, match="fork"):
+        sharexec.SharedProcessPoolExecutor(1, mp_context="fork", max_tasks_per_child=2)
 
 
 def test_is_a_concurrent_futures_executor():
@@ -156,8 +158,9 @@ def test_is_a_concurrent_futures_executor():
 
 def test_submit_after_shutdown_raises_runtime_error(executor):
     executor.shutdown()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="cannot schedule new futures after shutdown") as info:
         executor.submit(workers.identity, 1)
+    assert type(info.value) is RuntimeError
 
 
 def test_keyword_named_fn_reaches_the_function(executor):
@@ -190,3 +193,60 @@ def test_cancel_futures_on_shutdown(start_method, no_leaks):
 
 def test_environment_of_workers_is_untouched(executor):
     assert executor.submit(os.getenv, "SHAREXEC_MIN_SHARE_BYTES").result() is None
+
+
+def test_max_tasks_per_child_replaces_workers(start_method, no_leaks):
+    if start_method == "fork":
+        pytest.skip("max_tasks_per_child is refused with fork (tested above)")
+    with sharexec.SharedProcessPoolExecutor(
+        1, mp_context=start_method, max_tasks_per_child=2
+    ) as ex:
+        pids = [ex.submit(os.getpid).result() for _ in range(5)]
+        assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+        assert len(ex._processes) == 1
+
+
+def test_max_tasks_per_child_defaults_to_spawn(no_leaks):
+    ex = sharexec.SharedProcessPoolExecutor(1, max_tasks_per_child=3)
+    try:
+        assert ex._context.get_start_method() == "spawn"
+    finally:
+        ex.shutdown()
+
+
+def test_max_tasks_of_one_still_completes_every_future_on_shutdown(start_method, no_leaks):
+    if start_method == "fork":
+        pytest.skip("max_tasks_per_child is refused with fork")
+    ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method, max_tasks_per_child=1)
+    futures = [ex.submit(workers.total, np.full(300_000, i, float)) for i in range(12)]
+    ex.shutdown(wait=True)
+    assert [f.result() for f in futures] == [300_000.0 * i for i in range(12)]
+
+
+def test_functions_of_main_are_pickled_once_per_executor():
+    code = textwrap.dedent(
+        """
+        import sharexec
+        from sharexec import _reduction
+
+        def square(x):
+            return x * x
+
+        def times(k):
+            return lambda x: x * k
+
+        if __name__ == "__main__":
+            with sharexec.SharedProcessPoolExecutor(2, mp_context="spawn") as ex:
+                assert list(ex.map(square, range(50))) == [x * x for x in range(50)]
+                cell = [3]
+                f = times(cell)
+                assert ex.submit(f, 2).result() == [3, 3]
+                cell.append(4)  # a closure's captured state may change: never cached
+                assert ex.submit(f, 2).result() == [3, 4, 3, 4]
+                cached = dict(ex._transport._functions)
+            assert list(cached) == [square] and cached[square], cached
+            print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
