@@ -32,6 +32,7 @@ themselves those of CPython's ``concurrent.futures.process``)::
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from multiprocessing.context import BaseContext
@@ -127,12 +128,13 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self._transport = Transport(self._options.min_share_bytes)
-        # The initializer's call is shared like a task's, pickled at each worker start;
-        # it lives as long as the executor, since workers may be started at any time.
+        # Every worker runs run_initializer: it watches this process (and exits with it),
+        # then runs the user's initializer, whose call is shared like a task's, pickled at
+        # each worker start: it lives as long as the executor.
         self._init_task: Task | None = None
         if initializer is not None:
             self._init_task = Task(initializer, tuple(initargs), {}, self._transport)
-            initializer, initargs = run_initializer, (self._init_task,)
+        initializer, initargs = run_initializer, (os.getpid(), self._init_task)
         super().__init__(
             max_workers=max_workers,
             context=context,

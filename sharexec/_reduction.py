@@ -375,7 +375,8 @@ class Task:
             raise RuntimeError("this task was already completed")
         packed = dumps(self.call, self.transport.min_share_bytes, self.transport)
         self.keep = packed.keep  # until release(): the worker attaches before it runs
-        return load_call, (packed.payload, packed.buffers, self.transport.min_share_bytes)
+        sweeper = _tracking.sweeper_address()
+        return load_call, (packed.payload, packed.buffers, self.transport.min_share_bytes, sweeper)
 
     def release(self) -> None:
         """Drop the call and its segments, as early as the task is done."""
@@ -388,8 +389,11 @@ class Task:
 # ---------------------------------------------------------------------------------------
 
 
-def load_call(payload: bytes, buffers: list[BufferRef], min_share_bytes: int) -> Any:
+def load_call(
+    payload: bytes, buffers: list[BufferRef], min_share_bytes: int, sweeper: bytes
+) -> Any:
     """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared."""
+    _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
     return _loads(payload, buffers, _tracking.attach_private), min_share_bytes
 
 
@@ -419,8 +423,11 @@ def run(call: Any) -> Reply:
     return Reply(dumps(result, min_share_bytes))
 
 
-def run_initializer(call: Any) -> None:
-    """Run the executor's initializer in a new worker."""
+def run_initializer(parent_pid: int, call: Any) -> None:
+    """Set up a new worker: it dies with its parent; then the user's initializer, if any."""
+    _tracking.watch_parent(parent_pid)
+    if call is None:
+        return
     if isinstance(call, Task):  # fork: the task was inherited, not pickled
         assert call.call is not None
         fn, args, kwargs = call.call

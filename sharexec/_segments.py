@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
 
-__all__ = ["PREFIX", "Mapping", "attach", "create", "listdir", "unlink"]
+__all__ = ["PREFIX", "Mapping", "attach", "create", "listdir", "new_name", "unlink"]
 
 PREFIX = "sharexec-"
 SHM_FOLDER = "/dev/shm"
@@ -54,7 +54,8 @@ def _check_platform() -> None:
         )
 
 
-def _new_name() -> str:
+def new_name() -> str:
+    """A fresh, unguessable segment name."""
     return f"{PREFIX}{os.getpid()}-{secrets.token_urlsafe(9)}"
 
 
@@ -69,8 +70,8 @@ def _map(fd: int, name: str, size: int, private: bool) -> Mapping:
     return mapping
 
 
-def create(size: int) -> Mapping:
-    """Create a new segment of ``size`` bytes (mode 0600) and map it shared.
+def create(size: int, name: str) -> Mapping:
+    """Create the segment ``name`` of ``size`` bytes (mode 0600) and map it shared.
 
     The space is reserved up front (``posix_fallocate``), so a full shared-memory folder
     fails here with :class:`SegmentError` instead of killing the process with SIGBUS at
@@ -78,7 +79,6 @@ def create(size: int) -> Mapping:
     """
     _check_platform()
     size = max(size, 1)
-    name = _new_name()
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError as exc:

@@ -13,6 +13,9 @@ This module is the only one that unlinks. Its rules:
   arguments, results) are deliberately not listed: they have copy semantics.
 * Attaching never registers a segment for unlinking by the attacher, unless the sender
   handed its ownership over (a worker returning a shared array it allocated).
+* A process that dies runs no finalizer: the *sweeper*, a small process started by the
+  first process of a session to create a segment, learns of every segment as it is
+  created, freed or handed over, and unlinks what a dead process still owned.
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import select
+import selectors
+import signal
+import socket
+import sys
 import threading
+import time
 import weakref
 from functools import partial
 
@@ -34,9 +43,13 @@ __all__ = [
     "attach_shared",
     "find_shared",
     "hand_off",
+    "join_sweeper",
     "new_private",
     "new_shared",
     "owns",
+    "sweeper_address",
+    "sweeper_main",
+    "watch_parent",
 ]
 
 logger = logging.getLogger("sharexec")
@@ -71,12 +84,24 @@ class Segment:
 def _unlink(name: str, owner_pid: int) -> None:
     if os.getpid() == owner_pid:
         _segments.unlink(name)
+        _tell("U", name)
         logger.debug("unlinked segment %s", name)
 
 
 def _own(mapping: Mapping) -> Mapping:
     mapping.owner = Segment(mapping.name, len(mapping))
     return mapping
+
+
+def _create(size: int) -> Mapping:
+    """A new segment owned by this process, known to the sweeper before it exists."""
+    name = _segments.new_name()
+    _tell("R", name)  # first: a crash while the space is being reserved leaks nothing
+    try:
+        return _own(_segments.create(size, name))
+    except BaseException:
+        _tell("U", name)
+        raise
 
 
 def owns(mapping: Mapping) -> bool:
@@ -90,6 +115,7 @@ def hand_off(mapping: Mapping) -> None:
     owner = mapping.owner
     if isinstance(owner, Segment) and owner.owned:
         owner.hand_off()
+        _tell("H", mapping.name)
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,14 +169,14 @@ def find_shared(low: int, high: int) -> tuple[Mapping, int] | None:
 
 def new_shared(size: int) -> Mapping:
     """A new segment for a shared array, owned by this process and listed as shared."""
-    mapping = _own(_segments.create(size))
+    mapping = _create(size)
     logger.debug("created shared segment %s (%d bytes)", mapping.name, size)
     return _register(mapping)
 
 
 def new_private(size: int) -> Mapping:
     """A new segment to copy a private buffer into, owned by this process."""
-    mapping = _own(_segments.create(size))
+    mapping = _create(size)
     logger.debug("created copy segment %s (%d bytes)", mapping.name, size)
     return mapping
 
@@ -164,7 +190,7 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
         mapping = _by_name.get(name)
     if mapping is not None:
         if adopt and mapping.owner is None:
-            _own(mapping)
+            _own(mapping)  # the sweeper moved it to the root already (H)
         return mapping
     mapping = _segments.attach(name, size, private=False)
     if adopt:
@@ -185,5 +211,187 @@ def adopt_private(name: str, size: int) -> Mapping:
     """
     mapping = _segments.attach(name, size, private=False)
     _segments.unlink(name)
+    _tell("U", name)
     logger.debug("adopted and unlinked segment %s", name)
     return mapping
+
+
+# ---------------------------------------------------------------------------------------
+# The sweeper: frees what a dead process owned
+# ---------------------------------------------------------------------------------------
+#
+# The first process of a session to create a segment (the *root*, usually the program
+# running the executor) starts the sweeper, which outlives it. Every process tells it,
+# one line per event, what it creates ("R name"), frees ("U name") or hands to the root
+# ("H name"): the root through the sweeper's stdin, workers through a Unix socket whose
+# address they receive with their tasks. When a worker's connection closes (it exited or
+# died), the sweeper unlinks what that worker still owned; when the root's pipe closes,
+# it unlinks everything the root owned, waits for the workers to go (they watch the root:
+# watch_parent), unlinks what is left and exits.
+
+# This process's line to the sweeper, e.g. a socket; None until the first segment.
+_channel: socket.socket | int | None = None
+_channel_pid = 0  # the process that opened _channel (a forked child opens its own)
+# The sweeper's socket address (Linux abstract namespace), e.g. b"\0sharexec-Zm9vYmFy".
+_address: bytes | None = None
+_channel_lock = threading.Lock()
+_WAIT_FOR_MEMBERS = 10.0  # seconds the sweeper waits for workers after the root died
+
+
+def _tell(op: str, name: str) -> None:
+    """Tell the sweeper about a segment, starting or joining one first if needed."""
+    line = f"{op} {name}\n".encode()
+    with _channel_lock:
+        channel = _open_channel()
+        try:
+            if isinstance(channel, socket.socket):
+                channel.sendall(line)
+            else:
+                os.write(channel, line)
+        except OSError:  # the sweeper is gone: nothing left to tell
+            pass
+
+
+def _open_channel() -> socket.socket | int:
+    global _channel, _channel_pid
+    if _channel is not None and _channel_pid == os.getpid():
+        return _channel
+    if _address is not None:  # a worker, or a forked child of the root
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(_address)
+        _channel = conn
+    else:
+        _channel = _start_sweeper()
+    _channel_pid = os.getpid()
+    return _channel
+
+
+def sweeper_address() -> bytes:
+    """The address workers use to reach this session's sweeper (started if needed)."""
+    with _channel_lock:
+        _open_channel()
+    assert _address is not None
+    return _address
+
+
+def join_sweeper(address: bytes) -> None:
+    """In a worker: report to the root's sweeper rather than start one of its own."""
+    global _address
+    if _address is None:
+        _address = address
+
+
+def _start_sweeper() -> int:
+    global _address
+    _address = b"\0sharexec-sweeper-" + os.urandom(12).hex().encode()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(_address)
+    listener.listen(64)
+    read_end, write_end = os.pipe()
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+    os.posix_spawn(
+        sys.executable,
+        [sys.executable, "-c", "from sharexec._tracking import sweeper_main; sweeper_main()"],
+        env,
+        file_actions=[
+            (os.POSIX_SPAWN_DUP2, read_end, 0),
+            (os.POSIX_SPAWN_DUP2, listener.fileno(), 3),
+        ],
+        setsid=True,  # out of the terminal's process group: Ctrl-C is for the root
+    )
+    os.close(read_end)
+    listener.close()
+    os.register_at_fork(after_in_child=_forget_root_channel)
+    logger.debug("started the sweeper")
+    return write_end
+
+
+def _forget_root_channel() -> None:
+    # A forked child must not hold the root's pipe open (the sweeper would never see
+    # the root die): it closes its copy and will connect to the socket instead.
+    global _channel
+    if isinstance(_channel, int):
+        os.close(_channel)
+    _channel = None
+
+
+def sweeper_main() -> None:
+    """The sweeper process: stdin is the root's pipe, fd 3 the workers' listening socket."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    listener = socket.socket(fileno=3)
+    events = selectors.DefaultSelector()
+    events.register(0, selectors.EVENT_READ, "root")
+    events.register(listener, selectors.EVENT_READ, "listen")
+    # What each live process owns, e.g. {"root": {"sharexec-41-Zm9v"}, <socket>: set()}.
+    owned: dict[object, set[str]] = {"root": set()}
+    pending: dict[object, bytes] = {}
+    deadline = None  # set when the root is gone
+    while owned:
+        ready = events.select(timeout=1.0 if deadline else None)
+        if deadline and time.monotonic() > deadline:
+            break
+        for key, _ in ready:
+            if key.data == "listen":
+                conn, _ = listener.accept()
+                events.register(conn, selectors.EVENT_READ, conn)
+                owned[conn] = set()
+                continue
+            source = key.data
+            data = os.read(0, 65536) if source == "root" else source.recv(65536)
+            if not data:  # that process exited or died: free what it still owned
+                events.unregister(key.fileobj)
+                for name in owned.pop(source):
+                    _sweep(name)
+                if source == "root":
+                    deadline = time.monotonic() + _WAIT_FOR_MEMBERS
+                else:
+                    source.close()
+                continue
+            lines = (pending.pop(source, b"") + data).split(b"\n")
+            pending[source] = lines.pop()
+            for line in lines:
+                op, _, name = line.decode().partition(" ")
+                if op == "R":
+                    owned[source].add(name)
+                elif op == "U":
+                    for names in owned.values():
+                        names.discard(name)
+                elif op == "H":
+                    owned[source].discard(name)
+                    if "root" in owned:
+                        owned["root"].add(name)
+                    else:
+                        _sweep(name)
+        if deadline and len(owned) == 0:
+            break
+    for names in owned.values():
+        for name in names:
+            _sweep(name)
+
+
+def _sweep(name: str) -> None:
+    if os.path.basename(name).startswith(_segments.PREFIX):  # never anything else
+        _segments.unlink(name)
+
+
+# ---------------------------------------------------------------------------------------
+# Workers die with their parent
+# ---------------------------------------------------------------------------------------
+
+
+def watch_parent(parent_pid: int) -> None:
+    """In a worker: exit at once if ``parent_pid`` dies, instead of running its queue."""
+    if not hasattr(os, "pidfd_open"):  # pragma: no cover - not Linux
+        return
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
+        os._exit(1)
+
+    def watch() -> None:
+        select.select([pidfd], [], [])  # readable once the process has exited
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sharexec-watch-parent", daemon=True).start()

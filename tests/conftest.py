@@ -14,8 +14,8 @@ from sharexec import _segments
 
 START_METHODS = ["spawn", "fork", "forkserver", "loky"]
 
-# Helper processes that outlive a pool by design (one per test session at most).
-_HELPERS = ("resource_tracker", "forkserver import main")
+# Helper processes that outlive a pool by design (one of each per test session).
+_HELPERS = ("resource_tracker", "forkserver import main", "sweeper_main")
 
 
 def descendants(pid: int | None = None) -> dict[int, str]:

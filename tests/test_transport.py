@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 from typing import Any
 
@@ -278,7 +279,7 @@ def test_changed_array_is_never_served_a_stale_copy(executor):
 
 def test_memory_is_bounded_by_tasks_in_flight(executor):
     a = np.random.default_rng(0).random(4_000_000)  # 32 MB
-    futures = [executor.submit(workers.sum_and_segment_bytes, a) for _ in range(50)]
+    futures = [executor.submit(workers.sum_and_segment_bytes, a, os.getpid()) for _ in range(50)]
     results = [f.result() for f in futures]
     assert all(s == a.sum() for s, _ in results)
     peak = max(b for _, b in results)
@@ -418,7 +419,7 @@ def test_lambdas_and_closures_work(executor):
 def test_gappy_view_copies_only_its_elements(executor):
     a = np.random.default_rng(2).random(4_000_000)  # 32 MB
     for view in (a[::4], a.reshape(2000, 2000)[:, :500], a.reshape(2000, 2000)[::-2, 1::2].T):
-        total, in_use = executor.submit(workers.sum_and_segment_bytes, view).result()
+        total, in_use = executor.submit(workers.sum_and_segment_bytes, view, os.getpid()).result()
         assert total == pytest.approx(view.sum(), rel=1e-12)
         assert in_use < 2 * view.nbytes, f"{in_use} bytes shared for a {view.nbytes}-byte view"
         got = executor.submit(workers.describe, view).result()
@@ -427,9 +428,9 @@ def test_gappy_view_copies_only_its_elements(executor):
 
 def test_views_of_a_copied_base_add_no_copy(executor):
     a = np.random.default_rng(3).random(2_000_000)  # 16 MB
-    (_, in_use), *_ = executor.submit(_sum_all, a, a[::2], a.T, a[::-3]).result()
+    (_, in_use), *_ = executor.submit(_sum_all, os.getpid(), a, a[::2], a.T, a[::-3]).result()
     assert in_use < 1.5 * a.nbytes
 
 
-def _sum_all(*arrays):
-    return [workers.sum_and_segment_bytes(x) for x in arrays]
+def _sum_all(creator, *arrays):
+    return [workers.sum_and_segment_bytes(x, creator) for x in arrays]

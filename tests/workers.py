@@ -61,17 +61,19 @@ def in_segment(a: Any) -> bool:
     return isinstance(base, _segments.Mapping)
 
 
-def segment_bytes() -> int:
-    """Bytes held by sharexec segments on this machine right now."""
+def segment_bytes(creator: int | None = None) -> int:
+    """Bytes held by sharexec segments right now (of one creating process, if given)."""
     size = 0
     for name in _segments.listdir():
+        if creator is not None and not name.startswith(f"{_segments.PREFIX}{creator}-"):
+            continue
         with contextlib.suppress(FileNotFoundError):
             size += os.stat(os.path.join(_segments.SHM_FOLDER, name)).st_size
     return size
 
 
-def sum_and_segment_bytes(a: np.ndarray) -> tuple[float, int]:
-    return float(a.sum()), segment_bytes()
+def sum_and_segment_bytes(a: np.ndarray, creator: int | None = None) -> tuple[float, int]:
+    return float(a.sum()), segment_bytes(creator)
 
 
 def make_shared(n: int, value: float) -> np.ndarray:
