@@ -1,4 +1,5 @@
-"""Development sessions: ``nox`` runs tests, lint and typecheck; ``nox -s demo`` the demo.
+"""Development sessions: ``nox`` runs tests, lint and typecheck; ``nox -s demo`` the demo,
+``nox -s clients`` the tests with real third-party clients (scipy, dask).
 
 Each session installs what it needs into its own virtual environment (made with the
 standard library's ``venv``, so neither uv nor virtualenv is required) under the Python
@@ -34,6 +35,13 @@ def tests(session: nox.Session) -> None:
     """Run the test suite (``python -m pytest``) against an installed sharexec."""
     session.install(".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def clients(session: nox.Session) -> None:
+    """Run the tests with real third-party clients (scipy, dask): the ``clients`` extra."""
+    session.install(".[test,clients]")
+    session.run("python", "-m", "pytest", "tests/test_clients.py", *session.posargs)
 
 
 @nox.session
