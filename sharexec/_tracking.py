@@ -235,6 +235,7 @@ _channel_pid = 0  # the process that opened _channel (a forked child opens its o
 # The sweeper's socket address (Linux abstract namespace), e.g. b"\0sharexec-Zm9vYmFy".
 _address: bytes | None = None
 _channel_lock = threading.Lock()
+_sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
 _WAIT_FOR_MEMBERS = 10.0  # seconds the sweeper waits for workers after the root died
 
 
@@ -291,7 +292,8 @@ def _start_sweeper() -> int:
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
-    os.posix_spawn(
+    global _sweeper_pid
+    _sweeper_pid = os.posix_spawn(
         sys.executable,
         [sys.executable, "-c", "from sharexec._tracking import sweeper_main; sweeper_main()"],
         env,

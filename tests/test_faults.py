@@ -1,0 +1,284 @@
+"""Faults (DESIGN.md D4): whatever dies, and however, no segment and no process is left.
+
+Each scenario runs as its own program in a subprocess. Once it is over (and its sweeper
+has exited), the segment folder holds nothing the scenario created, and none of its
+processes is alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import descendants, segments_now
+
+pytestmark = pytest.mark.timeout(120)
+
+PRELUDE = """
+import os, signal, sys
+import numpy as np
+import sharexec
+from sharexec import _tracking
+from concurrent.futures.process import BrokenProcessPool
+
+METHOD = sys.argv[1]
+FIFO_DIR = sys.argv[2] if len(sys.argv) > 2 else None
+
+def started():
+    # tell the test this task runs (with its segments mapped), then wait to be let go
+    with open(os.path.join(FIFO_DIR, "started"), "w") as f:
+        f.write("x")
+    with open(os.path.join(FIFO_DIR, "go")) as f:
+        f.read()
+
+def announce_sweeper():
+    print("sweeper", _tracking._sweeper_pid, flush=True)
+"""
+
+
+def wait_exit(pids: list[int], timeout: float) -> list[int]:
+    """Wait until every pid has exited (or the timeout); return those still alive."""
+    fds = {}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds[pid] = os.pidfd_open(pid)
+    try:
+        alive = dict(fds)
+        deadline = timeout
+        while alive and deadline > 0:
+            ready, _, _ = select.select(list(alive.values()), [], [], deadline)
+            if not ready:
+                break
+            alive = {p: fd for p, fd in alive.items() if fd not in ready}
+        return list(alive)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def left_by(proc: subprocess.Popen) -> set[str]:
+    """Segments that appeared since the scenario started and whose creator is dead.
+
+    Names carry their creator's pid: once the scenario is over, its segments (the
+    parent's and its workers') all have dead creators, unlike other live programs'.
+    """
+    return segments_now() - _before.pop(proc.pid, set())
+
+
+_before: dict[int, set[str]] = {}
+
+
+def run_scenario(tmp_path: Path, body: str, method: str, **kwargs):
+    script = tmp_path / "scenario.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    before = segments_now()
+    proc = subprocess.Popen(
+        [sys.executable, str(script), method, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+    _before[proc.pid] = before
+    return proc
+
+
+def finish(proc: subprocess.Popen, expect_rc: int | None = 0) -> str:
+    out, err = proc.communicate(timeout=100)
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, err
+    sweeper = [int(line.split()[1]) for line in out.splitlines() if line.startswith("sweeper")]
+    assert not wait_exit([p for p in sweeper if p], 15), "the sweeper did not finish"
+    return out
+
+
+def family(proc: subprocess.Popen) -> list[int]:
+    return list(descendants(proc.pid))
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def test_task_raises(start_method, tmp_path):
+    proc = run_scenario(
+        tmp_path,
+        """
+        def f(a):
+            b = sharexec.zeros(300_000)
+            raise ValueError("boom")
+
+        if __name__ == "__main__":
+            with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+                fut = ex.submit(f, np.ones(1_000_000))
+                try:
+                    fut.result()
+                except ValueError:
+                    print("raised")
+                announce_sweeper()
+        """,
+        start_method,
+    )
+    out = finish(proc)
+    assert "raised" in out
+    assert not left_by(proc)
+
+
+@pytest.mark.parametrize(
+    "death",
+    [
+        pytest.param("os.kill(os.getpid(), signal.SIGKILL)", id="sigkill"),
+        pytest.param("import ctypes; ctypes.string_at(0)", id="segfault"),
+        pytest.param("os._exit(3)", id="os-exit"),
+    ],
+)
+def test_worker_dies_mid_task(start_method, tmp_path, death):
+    proc = run_scenario(
+        tmp_path,
+        f"""
+        def f(a):
+            mine = sharexec.zeros(300_000)      # owned by the worker
+            result = sharexec.full(300_000, 2.0)
+            {death}
+
+        if __name__ == "__main__":
+            ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
+            futures, refused = [], 0
+            for _ in range(4):
+                try:
+                    futures.append(ex.submit(f, np.ones(1_000_000)))
+                except BrokenProcessPool:  # a worker may have died already
+                    refused += 1
+            broken = [isinstance(fut.exception(), BrokenProcessPool) for fut in futures]
+            print("broken", all(broken) and len(broken) + refused == 4)
+            ex.shutdown()
+            announce_sweeper()
+        """,
+        start_method,
+    )
+    out = finish(proc)
+    assert "broken True" in out
+    assert not left_by(proc)
+
+
+def test_ctrl_c_in_map(start_method, tmp_path):
+    os.mkfifo(tmp_path / "started")
+    os.mkfifo(tmp_path / "go")
+    proc = run_scenario(
+        tmp_path,
+        """
+        def f(a):
+            started()
+            return a * 2  # a large result
+
+        if __name__ == "__main__":
+            announce_sweeper_later = True
+            with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+                try:
+                    print("sweeper", _tracking.sweeper_address() and _tracking._sweeper_pid,
+                          flush=True)
+                    list(ex.map(f, [np.ones(500_000)] * 6))
+                except KeyboardInterrupt:
+                    print("interrupted", flush=True)
+        """,
+        start_method,
+    )
+    with open(tmp_path / "started") as started:
+        assert started.read(1) == "x"  # a task runs, with its argument mapped
+        proc.send_signal(signal.SIGINT)
+        with open(tmp_path / "go", "w"):
+            pass  # let every task go (each open of the fifo pairs with one task)
+        # later tasks start and must be let go too, until the pool has drained
+        drain(tmp_path, proc)
+    out = finish(proc)
+    assert "interrupted" in out
+    assert not left_by(proc)
+
+
+def drain(tmp_path: Path, proc: subprocess.Popen) -> None:
+    """Let any further task through until the scenario has exited."""
+    while proc.poll() is None:
+        try:
+            fd = os.open(tmp_path / "go", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no task waiting to read
+            if proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(0.05)
+            continue
+        os.close(fd)
+
+
+def test_parent_killed_with_tasks_in_flight(start_method, tmp_path):
+    os.mkfifo(tmp_path / "started")
+    os.mkfifo(tmp_path / "go")
+    proc = run_scenario(
+        tmp_path,
+        """
+        def f(a):
+            result = np.ones(500_000)
+            out = sharexec.zeros(300_000)
+            started()
+            return result, out
+
+        def quick(a):
+            return a * 3
+
+        if __name__ == "__main__":
+            ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
+            keep = sharexec.zeros(1_000_000)
+            results = [ex.submit(quick, np.ones(500_000)).result() for _ in range(3)]
+            futures = [ex.submit(f, np.ones(1_000_000)) for _ in range(6)]
+            announce_sweeper()
+            for fut in futures:
+                fut.result()
+        """,
+        start_method,
+    )
+    with open(tmp_path / "started") as started:
+        assert started.read(1) == "x"
+    sweeper = int(proc.stdout.readline().split()[1])
+    kin = family(proc)
+    assert sweeper in kin and len(kin) >= 3
+    assert len(segments_now() - _before[proc.pid]) >= 4, "the scenario should hold segments"
+    proc.kill()
+    proc.wait(10)
+    # within 5 s: every worker has exited (none runs the queue), everything is swept
+    assert not wait_exit(kin, 5.0), "processes outlived the parent by 5 s"
+    assert not left_by(proc)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def test_max_tasks_per_child_recycling_under_load(start_method, tmp_path):
+    if start_method == "fork":
+        pytest.skip("max_tasks_per_child is refused with fork")
+    proc = run_scenario(
+        tmp_path,
+        """
+        def f(a, i):
+            own = sharexec.full(10, float(i))
+            return a * i, own
+
+        if __name__ == "__main__":
+            with sharexec.SharedProcessPoolExecutor(
+                2, mp_context=METHOD, max_tasks_per_child=2
+            ) as ex:
+                futures = [ex.submit(f, np.ones(400_000), i) for i in range(24)]
+                ok = all(
+                    (r.sum() == 400_000 * i and own.sum() == 10 * i)
+                    for i, (r, own) in ((i, fut.result()) for i, fut in enumerate(futures))
+                )
+            print("exact", ok)
+            announce_sweeper()
+        """,
+        start_method,
+    )
+    out = finish(proc)
+    assert "exact True" in out
+    assert not left_by(proc)
