@@ -80,17 +80,26 @@ def shm_in_use() -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+def memory_now() -> int:
+    """PSS less shared pages of the parent and its descendants, plus /dev/shm in use."""
+    return sum(_pss_private(p.pid) for p in _family()) + shm_in_use()
+
+
 class MemorySampler:
     """Peak extra memory of the parent and its descendants, while the ``with`` block runs.
 
-    ``extra`` is the peak of (PSS less shared pages + /dev/shm in use) less its value when
-    the block was entered.
+    ``extra`` is the peak of :func:`memory_now` less ``baseline``: by default its value when
+    the block was entered; give an earlier one to count what a system kept from before
+    (a cache of segments, say) as its own.
     """
 
-    def __init__(self, interval: float = 0.005, refresh: float = 0.1) -> None:
+    def __init__(
+        self, interval: float = 0.005, refresh: float = 0.1, baseline: int | None = None
+    ) -> None:
         self.interval = interval
         self.refresh = refresh  # how often the list of descendants is re-read
         self.samples = 0
+        self.given = baseline
         self.baseline = 0
         self.peak = 0
         self._stop = threading.Event()
@@ -112,7 +121,8 @@ class MemorySampler:
             self.peak = max(self.peak, self._sample())
 
     def __enter__(self) -> MemorySampler:
-        self.baseline = self.peak = self._sample()
+        self.peak = self._sample()
+        self.baseline = self.peak if self.given is None else self.given
         self._thread.start()
         return self
 

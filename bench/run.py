@@ -79,6 +79,7 @@ class Row:
     times: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
     extra_bytes: int | None = None  # peak extra memory, from the sampled repetition
+    held_bytes: int | None = None  # still in use after it, over the same reference
     samples: int = 0  # memory samples taken in that repetition
     note: str = ""
     unsupported: str = ""  # why the system cannot run it
@@ -145,12 +146,20 @@ class Runner:
         check: Callable[[Any], None],
         memory: bool,
     ) -> Row:
-        """Time ``run`` ``--reps`` times, then sample memory during one more run."""
+        """Time ``run`` ``--reps`` times, then sample memory during one more run.
+
+        Memory is counted from a reference taken before the first repetition (the inputs
+        already made), so what a system keeps from one repetition to the next counts.
+        """
         import measure
         from systems import Unsupported
 
         self.rows.append(row)
+        memory = memory and not self.args.no_memory
         try:
+            if memory:
+                gc.collect()
+                reference = measure.memory_now()
             for _ in range(self.args.reps):
                 gc.collect()
                 before = measure.cpu_snapshot()
@@ -160,14 +169,16 @@ class Runner:
                 row.cpu.append(measure.cpu_delta(before, measure.cpu_snapshot()))
                 check(out)
                 del out
-            if memory and not self.args.no_memory:
+            if memory:
                 gc.collect()
-                with measure.MemorySampler(self.args.interval / 1000) as sampler:
+                interval = self.args.interval / 1000
+                with measure.MemorySampler(interval, baseline=reference) as sampler:
                     out = run()
                     check(out)
                     del out
                     gc.collect()
                 row.extra_bytes, row.samples = sampler.extra, sampler.samples
+                row.held_bytes = measure.memory_now() - reference
         except Unsupported as e:
             row.unsupported = str(e)
         label = f"{row.workload}" + (f" {row.mib:g} MiB" if row.mib else "")
@@ -392,6 +403,10 @@ def fmt(x: float | None, unit: str = "") -> str:
     return f"{x:.3g}{unit}"
 
 
+def mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else str(round(nbytes / MiB))
+
+
 def table(rows: list[Row], main_method: str) -> str:
     def key(r: Row) -> tuple[Any, ...]:
         return (
@@ -404,22 +419,22 @@ def table(rows: list[Row], main_method: str) -> str:
 
     lines = [
         "| workload | start | system | time (s) | vs stdlib | CPU (s) | extra mem (MiB) "
-        "| target | notes |",
-        "|---|---|---|--:|--:|--:|--:|---|---|",
+        "| held (MiB) | target | notes |",
+        "|---|---|---|--:|--:|--:|--:|--:|---|---|",
     ]
     for r in sorted(rows, key=key):
         if r.workload == "W1" and r.mib in W1_PLOT_MIB:
             continue  # in the JSON and the plot
         name = r.workload + (f" {r.mib:g} MiB" if r.mib and r.workload != "start-up" else "")
         if r.unsupported:
-            cells = ["n/a", "", "", "", "", r.unsupported]
+            cells = ["n/a", "", "", "", "", "", r.unsupported]
         else:
-            extra = None if r.extra_bytes is None else r.extra_bytes / MiB
             cells = [
                 fmt(r.time),
                 fmt(r.ratio, "x"),
                 fmt(r.cpu_median),
-                "-" if extra is None else f"{extra:.0f}",
+                mib(r.extra_bytes),
+                mib(r.held_bytes),
                 r.target,
                 r.note,
             ]
@@ -429,6 +444,7 @@ def table(rows: list[Row], main_method: str) -> str:
 
 def plot(rows: list[Row], path: Path, main_method: str, scale: float) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -456,8 +472,21 @@ def plot(rows: list[Row], path: Path, main_method: str, scale: float) -> None:
             linestyle="--",
             label="sharexec, pre-shared (W1s)",
         )
+    points = sorted(
+        (r.mib * scale, statistics.median(r.dispatch))
+        for r in rows
+        if r.workload == "W1s" and r.dispatch and r.mib
+    )
+    if points:
+        ax.plot(
+            *zip(*points, strict=True),
+            marker="s",
+            linestyle=":",
+            label="sharexec, pre-shared, f = a[0]",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_xlabel("array size (MiB)")
     ax.set_ylabel("time for 8 submits of a.sum() (s)")
     ax.set_title(f"W1: one big argument, 2 workers, {main_method}, median")
@@ -573,9 +602,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(table(runner.rows, args.start_method))
     print(
-        "\nCPU: parent and descendants, user + system. Extra memory: peak of PSS less shared "
-        "pages plus /dev/shm in use, over the baseline, in one more sampled repetition "
-        f"(every {args.interval:g} ms).\n"
+        "\nCPU: parent and descendants, user + system. Extra memory: the peak of PSS less "
+        "shared pages of the parent and its descendants, plus /dev/shm in use, sampled every "
+        f"{args.interval:g} ms in one more repetition, over a reference taken before the "
+        "workload's first repetition (inputs already made): what a system keeps between "
+        "repetitions counts. Held: the same, after that repetition (gc run). joblib is "
+        "run with loky's start method where spawn is asked for.\n"
     )
     if floor:
         print("| floor | |\n|---|--:|")
@@ -587,9 +619,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wall time: {wall:.0f} s")
     joblib_dirs = [n for n in leaked if n.startswith("joblib_memmapping_folder_")]
     if joblib_dirs:
-        size = sum(
-            p.stat().st_size for n in joblib_dirs for p in Path(measure.SHM, n).rglob("*")
-        )
+        size = sum(p.stat().st_size for n in joblib_dirs for p in Path(measure.SHM, n).rglob("*"))
         print(
             f"/dev/shm: {len(joblib_dirs)} joblib temp folders ({size / MiB:.0f} MiB) are "
             "still there; joblib removes them at exit"
