@@ -27,9 +27,9 @@ pytestmark = pytest.mark.timeout(120)
 DE_BOUNDS = [(-2.0, 2.0)] * 3
 DE_OPTIONS: dict[str, Any] = {"updating": "deferred", "rng": 1234, "maxiter": 30}
 
-# dask: 7500 x 7500 float64 = 450 MB, in 9 chunks of 50 MB.
-DASK_SHAPE = (7500, 7500)
-DASK_CHUNKS = (2500, 2500)
+# dask: 6000 x 6000 float64 = 288 MB, in 9 chunks of 32 MB.
+DASK_SHAPE = (6000, 6000)
+DASK_CHUNKS = (2000, 2000)
 
 # as_completed / wait: 8 tasks of 16 MB each, the one at BAD raising.
 N_TASKS = 8
@@ -81,7 +81,7 @@ def test_differential_evolution_with_executor_map(executor):
 
 
 def dask_graph() -> tuple[Any, ...]:
-    """Column sums of x + x.T, and the mean and std of x, for a seeded 450 MB x."""
+    """Column sums of x + x.T, and the mean and std of x, for a seeded 288 MB x."""
     import dask.array as da
 
     x = da.random.default_rng(0).random(DASK_SHAPE, chunks=DASK_CHUNKS)
