@@ -14,7 +14,7 @@ from ._arrays import (
     zeros_like,
 )
 from ._executor import SharedProcessPoolExecutor
-from .errors import ConfigError, SegmentError, SharexecError
+from .errors import ConfigError, SegmentError, SharexecError, SharexecWarning
 
 __all__ = [
     "ConfigError",
@@ -22,6 +22,7 @@ __all__ = [
     "SharedArray",
     "SharedProcessPoolExecutor",
     "SharexecError",
+    "SharexecWarning",
     "empty",
     "empty_like",
     "full",

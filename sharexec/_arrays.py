@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import operator
+import os
+import tempfile
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, SupportsIndex
@@ -25,7 +27,8 @@ import numpy.typing as npt
 from loky.backend import reduction as loky_reduction
 
 from . import _tracking
-from ._segments import Mapping
+from ._config import Options
+from ._segments import SHM_FOLDER, Mapping
 
 __all__ = [
     "SharedArray",
@@ -181,7 +184,13 @@ def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: Literal["C", "F"]) -> Sh
     )
     if any(n < 0 for n in shape):
         raise ValueError("negative dimensions are not allowed")
-    mapping = _tracking.new_shared(math.prod(shape) * dtype.itemsize)
+    spill_to = Options.resolve({}).temp_folder or tempfile.gettempdir()
+    mapping = _tracking.new_shared(math.prod(shape) * dtype.itemsize, spill_to)
+    if os.path.isabs(mapping.name):
+        _tracking.warn_fallback(
+            f"shared memory is full or missing ({SHM_FOLDER}): shared arrays are "
+            f"allocated in files in {os.path.dirname(mapping.name)} instead"
+        )
     array: SharedArray = SharedArray(shape, dtype, buffer=mapping, order=order)
     return array
 

@@ -32,9 +32,14 @@ class Options:
     min_share_bytes
         Buffers of at least this many bytes travel through shared memory; smaller ones
         are pickled. Environment variable: ``SHAREXEC_MIN_SHARE_BYTES``.
+    temp_folder
+        Where file-backed segments go when shared memory is full or missing (a private
+        subfolder is made in it); default: the system's temporary folder.
+        Environment variable: ``SHAREXEC_TEMP_FOLDER``.
     """
 
     min_share_bytes: int = DEFAULT_MIN_SHARE_BYTES
+    temp_folder: str | None = None
 
     @classmethod
     def resolve(
@@ -68,4 +73,11 @@ def _parse(name: str, value: Any, where: str) -> Any:
         if isinstance(value, (bool, float)) or number < 1:
             raise ConfigError(f"{where} must be an integer >= 1, got {value!r}")
         return number
+    if name == "temp_folder":
+        if value is None:
+            return None
+        folder = os.fspath(value)
+        if not os.path.isdir(folder):
+            raise ConfigError(f"{where} must be an existing folder, got {value!r}")
+        return os.path.abspath(folder)
     raise AssertionError(name)  # pragma: no cover - every field has a parser

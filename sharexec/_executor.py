@@ -127,7 +127,7 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         self._max_tasks_per_child = max_tasks_per_child
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
-        self._transport = Transport(self._options.min_share_bytes)
+        self._transport = Transport(self._options)
         # Every worker runs run_initializer: it watches this process (and exits with it),
         # then runs the user's initializer, whose call is shared like a task's, pickled at
         # each worker start: it lives as long as the executor.

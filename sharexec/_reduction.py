@@ -32,8 +32,11 @@ of out-of-band buffers (segment name, size, offset, length).
 from __future__ import annotations
 
 import io
+import logging
+import os
 import pickle
 import sys
+import tempfile
 import threading
 import types
 import weakref
@@ -45,9 +48,13 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _tracking
+from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
+from ._config import Options
 from ._segments import Mapping
+from .errors import SegmentError
+
+logger = logging.getLogger("sharexec")
 
 __all__ = [
     "Reply",
@@ -130,9 +137,10 @@ class Pass:
     """The state of one pickling pass: the buffers it took out of band, and why."""
 
     def __init__(
-        self, min_share_bytes: int, transport: Transport | None, cache_functions: bool = True
+        self, options: Options, transport: Transport | None, cache_functions: bool = True
     ) -> None:
-        self.min_share_bytes = min_share_bytes
+        self.min_share_bytes = options.min_share_bytes
+        self.spill_to = options.temp_folder or tempfile.gettempdir()
         self.transport = transport  # None: the backward pass of a worker
         self.cache_functions = cache_functions and transport is not None
         self.buffers: list[BufferRef] = []
@@ -167,13 +175,39 @@ class Pass:
     def _holds(self, low: int, high: int) -> bool:
         return any(lo <= low and high <= hi for lo, hi, _ in self._copied)
 
+    def _new_copy(self, size: int) -> Mapping | None:
+        """A segment to copy ``size`` bytes into; None when none can be had (pickle them).
+
+        Shared memory first, then a file-backed segment on disk, then nothing: a task
+        never fails because shared memory was short. The user hears of it once.
+        """
+        try:
+            mapping = _tracking.new_private(size, self.spill_to)
+        except SegmentError as exc:
+            self._fell_back(f"{exc}; buffers of this size are pickled instead")
+            return None
+        if os.path.isabs(mapping.name):
+            self._fell_back(
+                f"shared memory is full or missing ({_segments.SHM_FOLDER}): large "
+                f"buffers go through files in {os.path.dirname(mapping.name)} instead"
+            )
+        return mapping
+
+    def _fell_back(self, message: str) -> None:
+        if self.transport is not None:
+            _tracking.warn_fallback(message)
+        else:  # a worker: the parent warns when it receives the result
+            logger.info("%s", message)
+
     def _compact(self, a: np.ndarray) -> Any:
         """Copy a gappy view (``a[::2]``, ``a[:, :500]``) compactly: only its elements.
 
         Fresh shared pages cost far more than reading strided memory, so copying half
         the bytes beats a memcpy of the whole span. The copy keeps ``a``'s axis order.
         """
-        mapping = _tracking.new_private(a.nbytes)
+        mapping = self._new_copy(a.nbytes)
+        if mapping is None:
+            return None  # numpy pickles it
         f_order = a.ndim > 1 and abs(a.strides[0]) < abs(a.strides[-1])
         copy = np.ndarray(a.shape, a.dtype, buffer=mapping, order="F" if f_order else "C")
         np.copyto(copy, a)
@@ -202,19 +236,23 @@ class Pass:
                 mapping, offset = copied, low - copied_low
                 break
         else:
-            mapping = self._copy(raw, low)
-            offset = 0
+            fresh = self._copy(raw, low)
+            if fresh is None:
+                return True  # no segment to be had: pickled in-band
+            mapping, offset = fresh, 0
             self._copied.append((low, low + length, mapping))
             self.keep.append(mapping)
         self.buffers.append((mapping.name, len(mapping), offset, length))
         return False
 
-    def _copy(self, raw: memoryview, low: int) -> Mapping:
+    def _copy(self, raw: memoryview, low: int) -> Mapping | None:
         if self.transport is not None:
             reused = self.transport.reusable_copy(raw, low)
             if reused is not None:
                 return reused
-        mapping = _tracking.new_private(raw.nbytes)
+        mapping = self._new_copy(raw.nbytes)
+        if mapping is None:
+            return None
         np.frombuffer(mapping, np.uint8, raw.nbytes)[:] = np.frombuffer(raw, np.uint8)
         if self.transport is not None:
             self.transport.remember_copy(raw, low, mapping)
@@ -243,7 +281,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
 
 def dumps(
     obj: Any,
-    min_share_bytes: int,
+    options: Options,
     transport: Transport | None = None,
     cache_functions: bool = True,
 ) -> Packed:
@@ -251,7 +289,7 @@ def dumps(
 
     If the pass fails, every segment it created is dropped (and so unlinked).
     """
-    state = Pass(min_share_bytes, transport, cache_functions)
+    state = Pass(options, transport, cache_functions)
     out = io.BytesIO()
     pickler = _Pickler(out, state)
     try:
@@ -290,8 +328,8 @@ def _loads(payload: bytes, buffers: list[BufferRef], attach: Callable[[str, int]
 class Transport:
     """One executor's forward transport: its options and its copies in flight."""
 
-    def __init__(self, min_share_bytes: int) -> None:
-        self.min_share_bytes = min_share_bytes
+    def __init__(self, options: Options) -> None:
+        self.options = options
         self._lock = threading.Lock()
         # Copies still referenced by a task in flight, by the source bytes they hold,
         # e.g. {(140213, 8000000): <weakref to Mapping>}.
@@ -315,7 +353,7 @@ class Transport:
         with self._lock:
             if fn in self._functions:
                 return self._functions[fn]
-        packed = dumps(fn, self.min_share_bytes, self, cache_functions=False)
+        packed = dumps(fn, self.options, self, cache_functions=False)
         payload = None if packed.buffers or packed.keep else packed.payload
         with self._lock:
             self._functions[fn] = payload
@@ -373,10 +411,10 @@ class Task:
     def __reduce__(self) -> Any:
         if self.call is None:
             raise RuntimeError("this task was already completed")
-        packed = dumps(self.call, self.transport.min_share_bytes, self.transport)
+        packed = dumps(self.call, self.transport.options, self.transport)
         self.keep = packed.keep  # until release(): the worker attaches before it runs
         sweeper = _tracking.sweeper_address()
-        return load_call, (packed.payload, packed.buffers, self.transport.min_share_bytes, sweeper)
+        return load_call, (packed.payload, packed.buffers, self.transport.options, sweeper)
 
     def release(self) -> None:
         """Drop the call and its segments, as early as the task is done."""
@@ -389,12 +427,10 @@ class Task:
 # ---------------------------------------------------------------------------------------
 
 
-def load_call(
-    payload: bytes, buffers: list[BufferRef], min_share_bytes: int, sweeper: bytes
-) -> Any:
+def load_call(payload: bytes, buffers: list[BufferRef], options: Options, sweeper: bytes) -> Any:
     """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared."""
     _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
-    return _loads(payload, buffers, _tracking.attach_private), min_share_bytes
+    return _loads(payload, buffers, _tracking.attach_private), options
 
 
 # In a worker: functions already unpickled, by their pickle (most recent last).
@@ -416,11 +452,11 @@ def load_function(payload: bytes) -> Any:
 
 def run(call: Any) -> Reply:
     """Run a call in the worker and pack its result for the way back."""
-    (fn, args, kwargs), min_share_bytes = call
+    (fn, args, kwargs), options = call
     del call
     result = fn(*args, **kwargs)
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
-    return Reply(dumps(result, min_share_bytes))
+    return Reply(dumps(result, options))
 
 
 def run_initializer(parent_pid: int, call: Any) -> None:
@@ -448,4 +484,10 @@ class Reply:
 
 def load_result(payload: bytes, buffers: list[BufferRef]) -> Any:
     """Rebuild a result in the parent, adopting (and so unlinking) its segments."""
+    spilled = [name for name, *_ in buffers if os.path.isabs(name)]
+    if spilled:
+        _tracking.warn_fallback(
+            f"shared memory is full or missing ({_segments.SHM_FOLDER}): large results "
+            f"come back through files in {os.path.dirname(spilled[0])} instead"
+        )
     return _loads(payload, buffers, _tracking.adopt_private)

@@ -9,6 +9,10 @@ Platform: POSIX shared memory (``shm_open``), that is ``/dev/shm`` on Linux. Nam
 ``sharexec-<pid>-<random>``: a fixed prefix so stale segments can be found, the creating
 process's id, and 72 random bits, so they cannot be guessed; at most 30 characters with
 the leading slash, inside macOS's limit of 31.
+
+A name that is an absolute path is a *file-backed* segment instead: a file (mode 0600) in
+a private folder (mode 0700) on disk, the fallback when shared memory is full or missing.
+Every function here takes both kinds.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import mmap
 import os
 import secrets
 import sys
+import tempfile
 
 from .errors import SegmentError
 
@@ -28,7 +33,7 @@ try:
 except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
 
-__all__ = ["PREFIX", "Mapping", "attach", "create", "listdir", "new_name", "unlink"]
+__all__ = ["PREFIX", "Mapping", "attach", "create", "listdir", "new_folder", "new_name", "unlink"]
 
 PREFIX = "sharexec-"
 SHM_FOLDER = "/dev/shm"
@@ -70,6 +75,17 @@ def _map(fd: int, name: str, size: int, private: bool) -> Mapping:
     return mapping
 
 
+def _open(name: str, flags: int) -> int:
+    if os.path.isabs(name):
+        return os.open(name, flags | os.O_CLOEXEC, 0o600)
+    _check_platform()
+    return int(_posixshmem.shm_open("/" + name, flags, 0o600))
+
+
+def _where(name: str) -> str:
+    return os.path.dirname(name) if os.path.isabs(name) else SHM_FOLDER
+
+
 def create(size: int, name: str) -> Mapping:
     """Create the segment ``name`` of ``size`` bytes (mode 0600) and map it shared.
 
@@ -77,12 +93,13 @@ def create(size: int, name: str) -> Mapping:
     fails here with :class:`SegmentError` instead of killing the process with SIGBUS at
     the first write. The pages read as zeros.
     """
-    _check_platform()
     size = max(size, 1)
     try:
-        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = _open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR)
     except OSError as exc:
-        raise SegmentError(exc.errno, f"cannot create shared-memory segment: {exc}") from exc
+        raise SegmentError(
+            exc.errno, f"cannot create a segment in {_where(name)}: {exc.strerror}"
+        ) from exc
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, size)
@@ -90,11 +107,10 @@ def create(size: int, name: str) -> Mapping:
             os.ftruncate(fd, size)
         return _map(fd, name, size, private=False)
     except OSError as exc:
-        _posixshmem.shm_unlink("/" + name)  # never created, as far as anyone else knows
+        unlink(name)  # never created, as far as anyone else knows
         raise SegmentError(
             exc.errno,
-            f"cannot reserve {size:,} bytes of shared memory in {SHM_FOLDER}: "
-            f"{os.strerror(exc.errno or 0)}",
+            f"cannot reserve {size:,} bytes in {_where(name)}: {os.strerror(exc.errno or 0)}",
         ) from exc
     finally:
         os.close(fd)
@@ -103,14 +119,10 @@ def create(size: int, name: str) -> Mapping:
 def attach(name: str, size: int, private: bool) -> Mapping:
     """Map an existing segment: shared (writes are seen by every process mapping it) or
     private (copy-on-write: this process's writes stay its own)."""
-    _check_platform()
-    flags = os.O_RDONLY if private else os.O_RDWR
     try:
-        fd = _posixshmem.shm_open("/" + name, flags, 0o600)
+        fd = _open(name, os.O_RDONLY if private else os.O_RDWR)
     except OSError as exc:
-        raise SegmentError(
-            exc.errno, f"cannot attach shared-memory segment {name!r}: {exc.strerror}"
-        ) from exc
+        raise SegmentError(exc.errno, f"cannot attach segment {name!r}: {exc.strerror}") from exc
     try:
         return _map(fd, name, max(size, 1), private)
     finally:
@@ -118,9 +130,25 @@ def attach(name: str, size: int, private: bool) -> Mapping:
 
 
 def unlink(name: str) -> None:
-    """Remove a segment's name; its memory is freed once no process maps it."""
+    """Remove a segment's name (or an empty fallback folder); its memory is freed once no
+    process maps it."""
     with contextlib.suppress(FileNotFoundError):
-        _posixshmem.shm_unlink("/" + name)
+        if not os.path.isabs(name):
+            _posixshmem.shm_unlink("/" + name)
+        elif os.path.isdir(name):
+            os.rmdir(name)
+        else:
+            os.unlink(name)
+
+
+def new_folder(parent: str) -> str:
+    """A new private folder (mode 0700) for file-backed segments, inside ``parent``."""
+    try:
+        return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+    except OSError as exc:
+        raise SegmentError(
+            exc.errno, f"cannot create a folder for segments in {parent}: {exc.strerror}"
+        ) from exc
 
 
 def listdir() -> list[str]:

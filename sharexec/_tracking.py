@@ -20,6 +20,7 @@ This module is the only one that unlinks. Its rules:
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import logging
 import os
@@ -30,11 +31,13 @@ import socket
 import sys
 import threading
 import time
+import warnings
 import weakref
 from functools import partial
 
 from . import _segments
 from ._segments import Mapping
+from .errors import SegmentError, SharexecWarning
 
 __all__ = [
     "Segment",
@@ -49,6 +52,7 @@ __all__ = [
     "owns",
     "sweeper_address",
     "sweeper_main",
+    "warn_fallback",
     "watch_parent",
 ]
 
@@ -93,15 +97,70 @@ def _own(mapping: Mapping) -> Mapping:
     return mapping
 
 
-def _create(size: int) -> Mapping:
-    """A new segment owned by this process, known to the sweeper before it exists."""
-    name = _segments.new_name()
+def _create(size: int, spill_to: str | None) -> Mapping:
+    """A new segment owned by this process.
+
+    In shared memory; if that fails (full, too small, missing) and ``spill_to`` is given,
+    file-backed in a private folder inside ``spill_to`` (a name that is a path).
+    """
+    try:
+        return _create_named(_segments.new_name(), size)
+    except SegmentError as exc:
+        if spill_to is None:
+            raise
+        logger.info("%s; spilling to a file in %s", exc, spill_to)
+        folder = _spill_folder(spill_to)
+        return _create_named(os.path.join(folder, _segments.new_name()), size)
+
+
+def _create_named(name: str, size: int) -> Mapping:
     _tell("R", name)  # first: a crash while the space is being reserved leaks nothing
     try:
         return _own(_segments.create(size, name))
     except BaseException:
         _tell("U", name)
         raise
+
+
+_warned = False  # a fallback was reported in this process
+
+
+def warn_fallback(message: str) -> None:
+    """Tell the user, once per process, that shared memory fell short.
+
+    Once per process, not per executor: the cause (the size of the shared-memory folder)
+    is the machine's, and so is the remedy.
+    """
+    global _warned
+    logger.info("%s", message)
+    if not _warned:
+        _warned = True
+        warnings.warn(message, SharexecWarning, stacklevel=4)
+
+
+# This process's folders for file-backed segments, by parent folder,
+# e.g. {(41, "/tmp"): "/tmp/sharexec-41-k2j3"}.
+_spill_folders: dict[tuple[int, str], str] = {}
+
+
+def _spill_folder(parent: str) -> str:
+    key = (os.getpid(), parent)
+    with _lock:
+        folder = _spill_folders.get(key)
+        if folder is None:
+            folder = _spill_folders[key] = _segments.new_folder(parent)
+            _tell("R", folder)
+            atexit.register(_remove_folder, folder, os.getpid())
+    return folder
+
+
+def _remove_folder(folder: str, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:
+        try:
+            _segments.unlink(folder)
+        except OSError:  # still holds files handed to another process: the sweeper's
+            return
+        _tell("U", folder)
 
 
 def owns(mapping: Mapping) -> bool:
@@ -167,16 +226,16 @@ def find_shared(low: int, high: int) -> tuple[Mapping, int] | None:
 # ---------------------------------------------------------------------------------------
 
 
-def new_shared(size: int) -> Mapping:
+def new_shared(size: int, spill_to: str | None = None) -> Mapping:
     """A new segment for a shared array, owned by this process and listed as shared."""
-    mapping = _create(size)
+    mapping = _create(size, spill_to)
     logger.debug("created shared segment %s (%d bytes)", mapping.name, size)
     return _register(mapping)
 
 
-def new_private(size: int) -> Mapping:
+def new_private(size: int, spill_to: str | None = None) -> Mapping:
     """A new segment to copy a private buffer into, owned by this process."""
-    mapping = _create(size)
+    mapping = _create(size, spill_to)
     logger.debug("created copy segment %s (%d bytes)", mapping.name, size)
     return mapping
 
@@ -344,8 +403,9 @@ def sweeper_main() -> None:
             data = os.read(0, 65536) if source == "root" else source.recv(65536)
             if not data:  # that process exited or died: free what it still owned
                 events.unregister(key.fileobj)
-                for name in owned.pop(source):
-                    _sweep(name)
+                for name in _sweep(owned.pop(source)):
+                    if "root" in owned:  # a folder still holding the root's files
+                        owned["root"].add(name)
                 if source == "root":
                     deadline = time.monotonic() + _WAIT_FOR_MEMBERS
                 else:
@@ -365,17 +425,23 @@ def sweeper_main() -> None:
                     if "root" in owned:
                         owned["root"].add(name)
                     else:
-                        _sweep(name)
+                        _sweep({name})
         if deadline and len(owned) == 0:
             break
-    for names in owned.values():
-        for name in names:
-            _sweep(name)
+    _sweep(set().union(*owned.values()))
 
 
-def _sweep(name: str) -> None:
-    if os.path.basename(name).startswith(_segments.PREFIX):  # never anything else
-        _segments.unlink(name)
+def _sweep(names: set[str]) -> list[str]:
+    """Unlink these segments (files before their folders); return what could not go."""
+    left = []
+    for name in sorted(names, key=len, reverse=True):
+        if not os.path.basename(name).startswith(_segments.PREFIX):
+            continue  # never anything but sharexec's own
+        try:
+            _segments.unlink(name)
+        except OSError:
+            left.append(name)
+    return left
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ already catch: a failing segment is an :class:`OSError`, a bad option a
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "SegmentError", "SharexecError"]
+__all__ = ["ConfigError", "SegmentError", "SharexecError", "SharexecWarning"]
 
 
 class SharexecError(Exception):
@@ -20,3 +20,8 @@ class SegmentError(SharexecError, OSError):
 
 class ConfigError(SharexecError, ValueError):
     """An option or ``SHAREXEC_*`` environment variable is unknown or invalid."""
+
+
+class SharexecWarning(UserWarning):
+    """Something the user should act on, e.g. shared memory too small: sharexec fell
+    back to files on disk or to pickling (slower, still correct)."""

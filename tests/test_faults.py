@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,3 +283,96 @@ def test_max_tasks_per_child_recycling_under_load(start_method, tmp_path):
     out = finish(proc)
     assert "exact True" in out
     assert not left_by(proc)
+
+
+# ---------------------------------------------------------------------------------------
+# A small /dev/shm (Docker's default is 64 MB): never SIGBUS, fall back, stay exact
+# ---------------------------------------------------------------------------------------
+
+SMALL_SHM = """
+import warnings
+from sharexec import _segments
+
+def double(a):
+    return a * 2
+
+def fill(out, value):
+    out[...] = value
+
+if __name__ == "__main__":
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = np.random.default_rng(0).random(25_000_000)  # 200 MB
+        shared = sharexec.zeros(20_000_000)  # 160 MB: more than /dev/shm holds
+        with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+            doubled = ex.submit(double, a).result()  # 200 MB argument and result
+            sums = list(ex.map(np.sum, np.array_split(a, 8)))
+            ex.submit(fill, shared[5:10], 3.0).result()
+        exact = (
+            np.array_equal(doubled, a * 2)
+            and sums == [np.sum(c) for c in np.array_split(a, 8)]
+            and shared[5:10].tolist() == [3.0] * 5 and shared.sum() == 15.0
+        )
+    del a, doubled, shared
+    import gc; gc.collect()
+    print("exact", exact)
+    print("warnings", sum(issubclass(w.category, sharexec.SharexecWarning) for w in caught))
+    print("left", len(_segments.listdir()))
+"""
+
+
+def in_small_shm(tmp_path: Path, script: str, method: str, extra_mount: str = ""):
+    """Run ``script`` in a private mount namespace whose /dev/shm is a 64 MB tmpfs."""
+    path = tmp_path / "scenario.py"
+    path.write_text(PRELUDE + textwrap.dedent(script))
+    setup = f"mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && {extra_mount}"
+    return subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f'{setup} exec "$0" "$@"',
+            sys.executable,
+            str(path),
+            method,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "SHAREXEC_TEMP_FOLDER": str(tmp_path / "spill")},
+    )
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="mounting a small tmpfs in a private namespace needs root and unshare",
+)
+
+
+@needs_root
+def test_small_dev_shm_spills_to_disk(start_method, tmp_path):
+    (tmp_path / "spill").mkdir()
+    out = in_small_shm(tmp_path, SMALL_SHM, start_method, "true &&")
+    assert out.returncode == 0, out.stderr
+    assert "exact True" in out.stdout
+    assert "warnings 1" in out.stdout, out.stdout  # one warning, however many fallbacks
+    assert "left 0" in out.stdout
+    assert not list((tmp_path / "spill").iterdir()), "spill folder left behind"
+
+
+@needs_root
+def test_no_room_anywhere_falls_back_to_pickling(start_method, tmp_path):
+    (tmp_path / "spill").mkdir()
+    script = SMALL_SHM.replace(
+        "shared = sharexec.zeros(20_000_000)  # 160 MB: more than /dev/shm holds",
+        "shared = sharexec.zeros(20)",
+    )
+    tiny = f"mount -t tmpfs -o size=1m tmpfs {tmp_path / 'spill'} &&"
+    out = in_small_shm(tmp_path, script, start_method, tiny)
+    assert out.returncode == 0, out.stderr
+    assert "exact True" in out.stdout
+    assert "warnings 1" in out.stdout, out.stdout
+    assert "left 0" in out.stdout
