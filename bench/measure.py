@@ -5,17 +5,24 @@ trackers, a fork server), from psutil's per-process ``cpu_times`` (user + system
 before and after: unlike ``RUSAGE_CHILDREN`` it counts workers that are still alive.
 
 Memory is sampled by a background thread every few milliseconds: the proportional set
-size (PSS) of the parent and its descendants, less their shared-memory pages
-(``Pss_Shmem``), plus the bytes in use on ``/dev/shm``. Shared-memory pages are counted once,
-through ``/dev/shm`` (a segment mapped by the parent and a worker is one copy, not three);
-private copy-on-write copies of them are anonymous pages and count in PSS. ``/dev/shm`` in
-use is machine-wide: another program's segments made during a run count too.
+size (PSS) of the parent and its descendants less their shared-memory pages (``Pss_Shmem``),
+plus the allocated size of every ``/dev/shm`` file that is theirs, counted once. A file is
+theirs if one of them maps it (unlinked or not: found in ``/proc/<pid>/maps`` and measured
+through ``/proc/<pid>/map_files``), or by name if none maps it (made by one process, not
+yet attached by the other; joblib's memmap files): ``psm_*``
+(``multiprocessing.shared_memory``), ``sharexec-<pid>-*`` and
+``joblib_memmapping_folder_<pid>_*`` with the pid of a process of ours. The allocated size,
+not the mapped pages: a result segment the parent maps but reads two pages of still holds
+all its memory. Copy-on-write copies of shared pages are anonymous pages, in PSS. Not the
+bytes in use on ``/dev/shm`` as a whole: on a shared machine other programs' segments
+swing that by gigabytes during a run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import statistics
 import threading
 import time
@@ -34,9 +41,14 @@ MiB = 1 << 20
 # ---------------------------------------------------------------------------------------
 
 
+_SEEN: set[int] = {os.getpid()}  # every process of ours seen so far, alive or not
+
+
 def _family() -> list[psutil.Process]:
     me = psutil.Process()
-    return [me, *me.children(recursive=True)]
+    family = [me, *me.children(recursive=True)]
+    _SEEN.update(p.pid for p in family)
+    return family
 
 
 def cpu_snapshot() -> dict[int, float]:
@@ -74,15 +86,63 @@ def _pss_private(pid: int) -> int:
     return (pss - shmem) * 1024
 
 
-def shm_in_use() -> int:
-    """Bytes in use on /dev/shm (including unlinked segments still mapped)."""
-    st = os.statvfs(SHM)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def _mapped_shm(pid: int, found: dict[int, int]) -> None:
+    """Add the /dev/shm files that one process maps to ``found``: inode -> allocated bytes."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            lines = f.readlines()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith(b"/dev/shm/"):
+            continue
+        inode = int(fields[4])
+        if inode in found:
+            continue
+        with contextlib.suppress(OSError):
+            st = os.stat(f"/proc/{pid}/map_files/{fields[0].decode()}")
+            found[inode] = st.st_blocks * 512
+
+
+_OURS = re.compile(r"(?:sharexec-|joblib_memmapping_folder_)(\d+)[-_]")
+
+
+def _ours(name: str) -> bool:
+    if name.startswith("psm_"):
+        return True
+    match = _OURS.match(name)
+    return match is not None and int(match[1]) in _SEEN
+
+
+def _unmapped_shm(found: dict[int, int]) -> None:
+    """Add our /dev/shm files that none of our processes maps to ``found``."""
+    entries = []
+    with contextlib.suppress(FileNotFoundError), os.scandir(SHM) as it:
+        entries = [e for e in it if _ours(e.name)]
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            if entry.is_dir(follow_symlinks=False):
+                with os.scandir(entry.path) as it:
+                    files = list(it)
+            else:
+                files = [entry]
+            for f in files:
+                st = f.stat(follow_symlinks=False)
+                found.setdefault(st.st_ino, st.st_blocks * 512)
+
+
+def _memory(pids: list[int]) -> int:
+    files: dict[int, int] = {}
+    for pid in pids:
+        _mapped_shm(pid, files)
+    _unmapped_shm(files)
+    return sum(_pss_private(pid) for pid in pids) + sum(files.values())
 
 
 def memory_now() -> int:
-    """PSS less shared pages of the parent and its descendants, plus /dev/shm in use."""
-    return sum(_pss_private(p.pid) for p in _family()) + shm_in_use()
+    """Private PSS of the parent and its descendants, plus their /dev/shm files."""
+    return _memory([p.pid for p in _family()])
 
 
 class MemorySampler:
@@ -112,7 +172,7 @@ class MemorySampler:
         if now - self._listed > self.refresh:
             self._pids = [p.pid for p in _family()]
             self._listed = now
-        total = sum(_pss_private(pid) for pid in self._pids) + shm_in_use()
+        total = _memory(self._pids)
         self.samples += 1
         return total
 

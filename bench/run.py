@@ -3,8 +3,9 @@
 Runs each workload on each system with a warm pool of 2 workers, times pool start-up
 separately, repeats each measurement (``--reps``, default 5) and prints a markdown table of
 medians: wall time, its ratio to the stdlib's in the same run, CPU time of the parent and
-its descendants, and the peak extra memory (PSS less shared pages, plus /dev/shm in use,
-sampled every few ms in one more repetition, so that sampling never slows a timed one).
+its descendants, and the peak extra memory (their PSS less shared pages, plus the size of
+their /dev/shm files, sampled every few ms in one more repetition, so that sampling never
+slows a timed one; see ``measure.py``).
 It also measures the machine's floor, writes every figure to ``bench/results/*.json`` and
 plots W1's time against the array size (log-log) to ``docs/_static/bench_w1.png``.
 
@@ -602,8 +603,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(table(runner.rows, args.start_method))
     print(
-        "\nCPU: parent and descendants, user + system. Extra memory: the peak of PSS less "
-        "shared pages of the parent and its descendants, plus /dev/shm in use, sampled every "
+        "\nCPU: parent and descendants, user + system. Extra memory: the peak of the PSS "
+        "(less shared pages) of the parent and its descendants, plus the allocated size of "
+        "their /dev/shm files (mapped, or theirs by name), sampled every "
         f"{args.interval:g} ms in one more repetition, over a reference taken before the "
         "workload's first repetition (inputs already made): what a system keeps between "
         "repetitions counts. Held: the same, after that repetition (gc run). joblib is "
