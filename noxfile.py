@@ -1,5 +1,6 @@
 """Development sessions: ``nox`` runs tests, lint and typecheck; ``nox -s demo`` the demo,
-``nox -s clients`` the tests with real third-party clients (scipy, dask).
+``nox -s clients`` the tests with real third-party clients (scipy, dask), ``nox -s compat``
+runs CPython's own ProcessPoolExecutor tests against ours.
 
 Each session installs what it needs into its own virtual environment (made with the
 standard library's ``venv``, so neither uv nor virtualenv is required) under the Python
@@ -76,3 +77,17 @@ def bench(session: nox.Session) -> None:
     """
     session.install(".[bench]")
     session.run("python", "bench/run.py", *session.posargs)
+
+
+@nox.session(python="3.11", default=False)
+def compat(session: nox.Session) -> None:
+    """Run CPython 3.11's own ProcessPoolExecutor tests against SharedProcessPoolExecutor.
+
+    ``tests/compat/run_cpython_suite.py``: the fork, forkserver and spawn variants of
+    ``test_concurrent_futures``, fetched at run time from Debian's libpython3.11-testsuite
+    (apt-get) into ``.cache/cpython-tests/``. Under Python 3.11 whatever runs nox, since the
+    suite is 3.11's; not a default session. Fails only if a test of public behaviour fails;
+    e.g. ``nox -s compat -- -k test_traceback --tracebacks``.
+    """
+    session.install(".")
+    session.run("python", "tests/compat/run_cpython_suite.py", *session.posargs)
