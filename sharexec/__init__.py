@@ -14,10 +14,11 @@ from ._arrays import (
     zeros_like,
 )
 from ._executor import SharedProcessPoolExecutor
-from .errors import ConfigError, SegmentError, SharexecError, SharexecWarning
+from .errors import ConfigError, ResultError, SegmentError, SharexecError, SharexecWarning
 
 __all__ = [
     "ConfigError",
+    "ResultError",
     "SegmentError",
     "SharedArray",
     "SharedProcessPoolExecutor",

@@ -39,12 +39,13 @@ from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from loky import ProcessPoolExecutor as _LokyExecutor
+from loky._base import Future as _LokyFuture
 from loky.backend.context import get_context as _loky_context
 from loky.backend.queues import SimpleQueue as _LokySimpleQueue
 from loky.process_executor import ShutdownExecutorError, _RecycledWorkerPid, _SafeQueue
 
 from ._config import Options
-from ._reduction import Task, Transport, run, run_initializer
+from ._reduction import RebuildFailure, Task, Transport, run, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor"]
 
@@ -171,6 +172,7 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             future: Future[T] = super().submit(run, task)
         except ShutdownExecutorError as exc:
             raise RuntimeError(str(exc)) from None  # the stdlib's plain RuntimeError
+        future.__class__ = _Future  # still loky's Future, which raises failed rebuilds
         future.add_done_callback(lambda _: task.release())
         return future
 
@@ -201,6 +203,20 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         super().shutdown(wait=wait)
         if wait and self._init_task is not None:
             self._init_task.release()
+
+
+class _Future(_LokyFuture):  # type: ignore[misc]
+    """loky's future, except that a result which failed to rebuild is raised, not returned.
+
+    Its class is set on the future loky made in ``submit`` (it adds no state): so the
+    manager thread's ``set_result`` fails this one future instead of the whole pool.
+    """
+
+    def set_result(self, result: Any) -> None:
+        if type(result) is RebuildFailure:
+            self.set_exception(result.error)
+        else:
+            super().set_result(result)
 
 
 # ---------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import pickle
 import sys
 import tempfile
 import threading
+import traceback
 import types
 import weakref
 from collections import OrderedDict
@@ -52,11 +53,12 @@ from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
 from ._segments import Mapping
-from .errors import SegmentError
+from .errors import ResultError, SegmentError
 
 logger = logging.getLogger("sharexec")
 
 __all__ = [
+    "RebuildFailure",
     "Reply",
     "Task",
     "Transport",
@@ -454,9 +456,25 @@ def run(call: Any) -> Reply:
     """Run a call in the worker and pack its result for the way back."""
     (fn, args, kwargs), options = call
     del call
-    result = fn(*args, **kwargs)
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as exc:
+        _raise_picklable(exc)
+        raise
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
     return Reply(dumps(result, options))
+
+
+def _raise_picklable(exc: Exception) -> None:
+    """Replace a task's exception that cannot be pickled: loky's worker would die of it."""
+    try:
+        cloudpickle.dumps(exc)
+    except Exception as why:
+        remote = "".join(traceback.format_exception(exc))
+        raise RuntimeError(
+            f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent back "
+            f"to the parent: {why}\n\nIts traceback in the worker:\n{remote}"
+        ) from None
 
 
 def run_initializer(parent_pid: int, call: Any) -> None:
@@ -483,11 +501,29 @@ class Reply:
 
 
 def load_result(payload: bytes, buffers: list[BufferRef]) -> Any:
-    """Rebuild a result in the parent, adopting (and so unlinking) its segments."""
+    """Rebuild a result in the parent, adopting (and so unlinking) its segments.
+
+    This runs in loky's manager thread, where an exception would break the whole pool
+    (as the standard library's does): a failure is returned instead, for the executor's
+    future to raise (see ``_executor._Future``), and the pool goes on.
+    """
     spilled = [name for name, *_ in buffers if os.path.isabs(name)]
     if spilled:
         _tracking.warn_fallback(
             f"shared memory is full or missing ({_segments.SHM_FOLDER}): large results "
             f"come back through files in {os.path.dirname(spilled[0])} instead"
         )
-    return _loads(payload, buffers, _tracking.adopt_private)
+    try:
+        return _loads(payload, buffers, _tracking.adopt_private)
+    except Exception as exc:
+        for name, *_ in buffers:  # whatever was not adopted yet goes too
+            _tracking.forget(name)
+        return RebuildFailure(exc)
+
+
+class RebuildFailure:
+    """A result that could not be rebuilt in the parent: its future raises ``error``."""
+
+    def __init__(self, cause: Exception) -> None:
+        self.error = ResultError(f"the task's result could not be rebuilt here: {cause!r}")
+        self.error.__cause__ = cause

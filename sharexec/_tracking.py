@@ -45,6 +45,7 @@ __all__ = [
     "attach_private",
     "attach_shared",
     "find_shared",
+    "forget",
     "hand_off",
     "join_sweeper",
     "new_private",
@@ -260,6 +261,12 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
 def attach_private(name: str, size: int) -> Mapping:
     """Map a copy segment copy-on-write: writes stay in this process."""
     return _segments.attach(name, size, private=True)
+
+
+def forget(name: str) -> None:
+    """Unlink a segment handed to this process that it will never map (a failed result)."""
+    _segments.unlink(name)
+    _tell("U", name)
 
 
 def adopt_private(name: str, size: int) -> Mapping:

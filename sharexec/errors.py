@@ -7,7 +7,7 @@ already catch: a failing segment is an :class:`OSError`, a bad option a
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "SegmentError", "SharexecError", "SharexecWarning"]
+__all__ = ["ConfigError", "ResultError", "SegmentError", "SharexecError", "SharexecWarning"]
 
 
 class SharexecError(Exception):
@@ -16,6 +16,11 @@ class SharexecError(Exception):
 
 class SegmentError(SharexecError, OSError):
     """A shared-memory segment could not be created, sized or attached."""
+
+
+class ResultError(SharexecError):
+    """A task ran, but its result could not be rebuilt in the parent process (its
+    ``__cause__`` says why). Only that task's future fails; the executor goes on."""
 
 
 class ConfigError(SharexecError, ValueError):
