@@ -1,0 +1,879 @@
+"""Run CPython 3.11's own ProcessPoolExecutor tests against SharedProcessPoolExecutor.
+
+The yardstick of DESIGN.md D2: CPython's ``test_concurrent_futures``, run with
+:class:`sharexec.SharedProcessPoolExecutor` in place of
+:class:`concurrent.futures.ProcessPoolExecutor`, passes every test of public behaviour.
+This is a plain script (``nox -s compat`` runs it), not a pytest module.
+
+Where the test code comes from
+    Never from this repository. At run time, Debian's ``libpython3.11-testsuite`` package
+    (``apt-get download``, then ``dpkg -x``) gives ``test_concurrent_futures.py``; when the
+    running Python lacks a complete ``test.support``, ``libpython3.11-stdlib`` gives that.
+    Both are unpacked once under ``.cache/cpython-tests/`` (git-ignored). ``--test-file``
+    takes a local copy instead, e.g. ``Lib/test/test_concurrent_futures.py`` of a CPython
+    3.11 checkout. The package ``test`` then seen by the tests (and by their workers and
+    scripts) is an overlay, ``.cache/cpython-tests/overlay/test``, whose ``__path__`` is
+    that file's folder followed by the folder of a complete ``test.support``.
+
+How our class takes the stdlib's place, inside the loaded test module only
+    - ``ProcessPool{Fork,Forkserver,Spawn}Mixin.executor_type`` become our class: every
+      ``self.executor`` and ``self.executor_type(...)`` of the process-pool tests;
+    - the module's global ``futures`` (``concurrent.futures``) becomes a view of that
+      package whose ``ProcessPoolExecutor`` is ours, for the tests that name the class;
+    - the scripts that tests run in a fresh interpreter (``assert_python_ok``) import our
+      class ``from sharexec`` where they import it ``from concurrent.futures``.
+    Nothing in sharexec or in ``concurrent.futures`` itself is patched.
+
+Isolation and time
+    Each test class (one per start method) runs in a child process of its own session,
+    one test at a time under ``faulthandler.dump_traceback_later(timeout, exit=True)``: a
+    test that hangs is dumped, counted as an error, and its class goes on in a new child
+    from the next test. Whatever a child leaves behind in its process group is killed and
+    reported. Once the run's budget is spent no test is started: the rest count as errors.
+
+Public and private
+    A test is *private* when its own body reads an underscore attribute of an executor
+    (``self.executor._processes``, ``e._processes``, ``executor._mp_context``...) or of
+    ``concurrent.futures`` (``futures.process._RemoteTraceback``): it checks how the
+    standard library is built, not how it behaves. Every other test is *public*. Only a
+    public test that fails or errors makes the exit status non-zero (1); 2 means the run
+    could not be set up.
+
+Usage::
+
+    python tests/compat/run_cpython_suite.py                  # all of it, a few minutes
+    python tests/compat/run_cpython_suite.py -k test_traceback --start-method spawn
+    python tests/compat/run_cpython_suite.py ProcessPoolForkProcessPoolExecutorTest.test_map
+    python tests/compat/run_cpython_suite.py --list           # tests and their category
+    python tests/compat/run_cpython_suite.py --stdlib         # control run: the stdlib's class
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import contextlib
+import fnmatch
+import inspect
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCRIPT = Path(__file__).resolve()
+ROOT = SCRIPT.parents[2]
+DEFAULT_CACHE = ROOT / ".cache" / "cpython-tests"
+SUITE = "test.test_concurrent_futures"
+PYTHON = (3, 11)
+TESTSUITE_PACKAGE = "libpython3.11-testsuite"  # holds test/test_concurrent_futures.py
+STDLIB_PACKAGE = "libpython3.11-stdlib"  # holds test/support/
+DEB_TEST_DIR = Path("usr/lib/python3.11/test")
+
+# Start method -> the module's mixin that makes the ProcessPoolExecutor variant of a test
+# body (create_executor_tests crosses each body with these mixins, and with ThreadPoolMixin,
+# whose classes are not ours to run).
+MIXINS = {
+    "fork": "ProcessPoolForkMixin",
+    "forkserver": "ProcessPoolForkserverMixin",
+    "spawn": "ProcessPoolSpawnMixin",
+}
+
+# Where our class is imported from in the scripts of assert_python_ok.
+IMPORT_FROM = "sharexec"
+
+DEFAULT_TIMEOUT = 60.0  # per test; the deadlock tests wait support.SHORT_TIMEOUT (30 s)
+DEFAULT_BUDGET = 480.0  # no test starts after: budget + one timeout stays under 10 minutes
+
+
+class SetupError(Exception):
+    """The run could not be prepared (no apt-get, no package, wrong Python...)."""
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Fetching the test code: Debian packages, unpacked into the cache, and the overlay
+# ---------------------------------------------------------------------------------------
+
+OVERLAY_INIT = '''\
+"""The package ``test`` as tests/compat/run_cpython_suite.py shows it to the suite.
+
+Generated: test_concurrent_futures.py lives here; test.support and the rest come from
+the folders after this one.
+"""
+
+__path__ = {path!r}
+'''
+
+
+@dataclass
+class Sources:
+    overlay: Path  # put first on sys.path: its package `test` holds the suite
+    test_file: str  # where test_concurrent_futures.py came from, for the header
+    support: Path  # the folder of the complete test.support used
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+
+
+def _unpack_deb(package: str, dest: Path, debs: Path) -> str:
+    """Download Debian's ``package`` and unpack it into ``dest``, once; return the .deb name."""
+    done = dest / ".unpacked-from"
+    if done.exists():
+        return done.read_text().strip()
+    for tool in ("apt-get", "dpkg"):
+        if shutil.which(tool) is None:
+            raise SetupError(
+                f"{tool} is needed to fetch Debian's {package}; elsewhere, pass "
+                "--test-file with a CPython 3.11 Lib/test/test_concurrent_futures.py"
+            )
+    debs.mkdir(parents=True, exist_ok=True)
+    for old in debs.glob(f"{package}_*.deb"):
+        old.unlink()
+    log(f"fetching {package} (apt-get download)")
+    got = _run(["apt-get", "download", package], cwd=debs)
+    if got.returncode != 0:
+        # No package lists yet, or stale ones: refresh them once, then try again.
+        log(f"apt-get download {package} failed; running apt-get update once")
+        _run(["apt-get", "update"])
+        got = _run(["apt-get", "download", package], cwd=debs)
+    found = sorted(debs.glob(f"{package}_*.deb"))
+    if got.returncode != 0 or not found:
+        raise SetupError(f"apt-get download {package} failed:\n{got.stderr.strip()}")
+    shutil.rmtree(dest, ignore_errors=True)
+    unpacked = _run(["dpkg", "-x", str(found[-1]), str(dest)])
+    if unpacked.returncode != 0:
+        raise SetupError(f"dpkg -x {found[-1].name} failed:\n{unpacked.stderr.strip()}")
+    done.write_text(found[-1].name + "\n")
+    return found[-1].name
+
+
+def _support_folder(cache: Path) -> Path:
+    """The folder of a complete package ``test`` (with test.support.script_helper)."""
+    probe = _run(
+        [
+            sys.executable,
+            "-c",
+            "import test.support, test.support.script_helper; print(test.__path__[0])",
+        ],
+        cwd=cache,
+    )
+    if probe.returncode == 0:
+        return Path(probe.stdout.strip().splitlines()[-1])
+    log(f"this Python has no complete test.support; using Debian's {STDLIB_PACKAGE}")
+    _unpack_deb(STDLIB_PACKAGE, cache / "stdlib", cache / "debs")
+    return cache / "stdlib" / DEB_TEST_DIR
+
+
+def prepare_sources(cache: Path, test_file: Path | None) -> Sources:
+    """Fetch what is missing into ``cache`` and (re)build the overlay package ``test``."""
+    if sys.version_info[:2] != PYTHON:
+        raise SetupError(
+            f"the suite is CPython {PYTHON[0]}.{PYTHON[1]}'s; this is Python "
+            f"{sys.version.split()[0]} ({sys.executable})"
+        )
+    cache.mkdir(parents=True, exist_ok=True)
+    if test_file is None:
+        deb = _unpack_deb(TESTSUITE_PACKAGE, cache / "testsuite", cache / "debs")
+        test_file = cache / "testsuite" / DEB_TEST_DIR / "test_concurrent_futures.py"
+        origin = f"{deb} (Debian)"
+    else:
+        test_file = test_file.resolve()
+        origin = str(test_file)
+    if not test_file.is_file():
+        raise SetupError(f"no test file at {test_file}")
+    support = _support_folder(cache)
+    overlay = cache / "overlay"
+    package = overlay / "test"
+    shutil.rmtree(overlay, ignore_errors=True)
+    package.mkdir(parents=True)
+    shutil.copyfile(test_file, package / "test_concurrent_futures.py")
+    init = OVERLAY_INIT.format(path=[str(package), str(support)])
+    (package / "__init__.py").write_text(init)
+    return Sources(overlay=overlay, test_file=origin, support=support)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading the suite with our class in place of the stdlib's (in a child process)
+# ---------------------------------------------------------------------------------------
+
+
+def load_suite(overlay: Path, stdlib: bool) -> Any:
+    """Import the suite from ``overlay``; unless ``stdlib``, put our class in its place."""
+    if "test" in sys.modules:
+        raise SetupError("the package `test` is already imported: the overlay cannot apply")
+    sys.path.insert(0, str(overlay))  # spawned workers inherit sys.path, hence `test` too
+    import concurrent.futures
+    import importlib
+    import types
+
+    from test import support
+
+    support.verbose = 0  # as regrtest sets it (the module's default is 1)
+    module = importlib.import_module(SUITE)
+    rewrites = {}
+    if not stdlib:
+        from sharexec import SharedProcessPoolExecutor as executor
+
+        class FuturesView(types.ModuleType):
+            """``concurrent.futures`` as the suite sees it: ``ProcessPoolExecutor`` is ours."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(concurrent.futures, name)
+
+        view = FuturesView("concurrent.futures")
+        view.ProcessPoolExecutor = executor  # type: ignore[attr-defined]
+        module.futures = view
+        for mixin in MIXINS.values():
+            getattr(module, mixin).executor_type = executor
+        old = f"from concurrent.futures import {executor.__name__}"
+        rewrites[old] = f"from {IMPORT_FROM} import {executor.__name__}"
+
+    run_script = module.assert_python_ok
+    # The scripts run in isolated mode (-I): they find the overlay through this line.
+    prelude = f"import sys; sys.path.insert(0, {str(overlay)!r})\n"
+
+    def assert_python_ok(*args: Any, **env_vars: Any) -> Any:
+        if len(args) >= 2 and args[0] == "-c":
+            code = args[1]
+            for old, new in rewrites.items():
+                code = code.replace(old, new)
+            args = ("-c", prelude + code, *args[2:])
+        return run_script(*args, **env_vars)
+
+    module.assert_python_ok = assert_python_ok
+    return module
+
+
+def process_pool_classes(module: Any) -> dict[str, tuple[str, type]]:
+    """The suite's ProcessPoolExecutor test classes: name -> (start method, class)."""
+    import unittest
+
+    found = {}
+    for name, obj in sorted(vars(module).items()):
+        if not (isinstance(obj, type) and issubclass(obj, unittest.TestCase)):
+            continue
+        for method, mixin in MIXINS.items():
+            if issubclass(obj, getattr(module, mixin)):
+                found[name] = (method, obj)
+    return found
+
+
+# ---------------------------------------------------------------------------------------
+# Public or private: what a test's own body reads
+# ---------------------------------------------------------------------------------------
+
+# The names under which the suite's test bodies hold an executor.
+EXECUTOR_NAMES = re.compile(r"(self\.)?(executor|e|pool|workers)")
+# The names under which they reach concurrent.futures' modules.
+STDLIB_NAMES = {"futures", "futures.process", "futures._base", "futures.thread"}
+
+# What the scan finds in the 3.11 suite, written out for the reader (the scan decides; a
+# test here that the scan no longer finds, or the reverse, is reported as a note):
+EXPECTED_PRIVATE = {
+    # Waits until `self.executor._broken` is set.
+    "FailingInitializerMixin.test_initializer": "_broken",
+    # Count or join the workers through `_processes`, join the `_executor_manager_thread`,
+    # `_call_queue.join_thread()`.
+    "ProcessPoolShutdownTest.test_processes_terminate": "_processes",
+    "ProcessPoolShutdownTest.test_context_manager_shutdown": "_processes",
+    "ProcessPoolShutdownTest.test_del_shutdown": "_executor_manager_thread, _processes, ...",
+    "ProcessPoolShutdownTest.test_shutdown_no_wait": "_executor_manager_thread, _processes, ...",
+    "ProcessPoolExecutorTest.test_killed_child": "_processes (to pick the worker to kill)",
+    "ProcessPoolExecutorTest.test_traceback": "futures.process._RemoteTraceback (cause's type)",
+    "ProcessPoolExecutorTest.test_saturation": "_max_workers, _processes",
+    "ProcessPoolExecutorTest.test_idle_process_reuse_one": "_max_workers, _processes",
+    "ProcessPoolExecutorTest.test_idle_process_reuse_multiple": "_max_workers, _processes",
+    "ProcessPoolExecutorTest.test_max_tasks_per_child": "_processes",
+    "ProcessPoolExecutorTest.test_max_tasks_per_child_defaults_to_spawn_context": "_mp_context",
+    "ExecutorDeadlockTest.test_shutdown_deadlock_pickle": "_executor_manager_thread",
+}
+# Not private although an underscore shows: test_cancel_futures formats `fut._state` (a
+# Future's) into an assertion message; the deadlock tests' _fail_on_deadlock reads
+# `_processes` only once a test has already failed.
+
+
+def private_reads(test_class: type, method: str) -> list[str]:
+    """The underscore attributes of an executor or of concurrent.futures that a test reads."""
+    source = textwrap.dedent(inspect.getsource(getattr(test_class, method)))
+    reads = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        base = ast.unparse(node.value)
+        if EXECUTOR_NAMES.fullmatch(base) or base in STDLIB_NAMES:
+            reads.add(f"{base}.{node.attr}")
+    return sorted(reads)
+
+
+def discover(sources: Sources) -> list[dict[str, Any]]:
+    """List the tests in a child process (so this one never imports the suite)."""
+    got = _run(
+        [sys.executable, str(SCRIPT), "--child-discover", "--overlay", str(sources.overlay)]
+    )
+    if got.returncode != 0:
+        raise SetupError(f"could not load {SUITE}:\n{got.stdout}{got.stderr}")
+    tests: list[dict[str, Any]] = json.loads(got.stdout.strip().splitlines()[-1])
+    return tests
+
+
+def child_discover(overlay: Path) -> None:
+    import unittest
+
+    module = load_suite(overlay, stdlib=True)
+    loader = unittest.TestLoader()
+    tests = []
+    for name, (method, cls) in process_pool_classes(module).items():
+        for test in loader.getTestCaseNames(cls):
+            tests.append(
+                {
+                    "id": f"{name}.{test}",
+                    "cls": name,
+                    "name": test,
+                    "body": getattr(cls, test).__qualname__,  # e.g. WaitTests.test_20369
+                    "start_method": method,
+                    "private": private_reads(cls, test),
+                }
+            )
+    print(json.dumps(tests))
+
+
+# ---------------------------------------------------------------------------------------
+# The child: runs some tests of one class, reporting each as a JSON line
+# ---------------------------------------------------------------------------------------
+
+
+def child_run(
+    overlay: Path, stdlib: bool, events: Path, timeout: float, deadline: float, ids: list[str]
+) -> None:
+    import faulthandler
+    import unittest
+
+    module = load_suite(overlay, stdlib)
+    out = events.open("a", buffering=1)
+
+    def emit(**event: Any) -> None:
+        event["time"] = time.time()
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+
+    prefix = SUITE + "."
+
+    class EventResult(unittest.TestResult):
+        def _id(self, test: Any) -> str:
+            name: str = test.id()
+            return name[len(prefix) :] if name.startswith(prefix) else name
+
+        def _outcome(self, test: Any, outcome: str, err: Any = None, detail: str = "") -> None:
+            text = ""
+            if err is not None:
+                text = self._exc_info_to_string(err, test)
+                lines = traceback.format_exception_only(err[0], err[1])
+                detail = lines[0].strip() if lines else err[0].__name__
+            if isinstance(test, unittest.TestCase):
+                emit(
+                    event="result",
+                    test=self._id(test),
+                    outcome=outcome,
+                    detail=detail,
+                    traceback=text,
+                )
+            else:  # an error of setUpModule, setUpClass or a cleanup: not a test's
+                emit(
+                    event="fixture", test=str(test), outcome=outcome, detail=detail, traceback=text
+                )
+
+        def startTest(self, test: Any) -> None:
+            super().startTest(test)
+            emit(event="start", test=self._id(test))
+            # A hung test: dump every thread's traceback into the log and exit (code 1).
+            faulthandler.dump_traceback_later(timeout, exit=True)
+
+        def stopTest(self, test: Any) -> None:
+            faulthandler.cancel_dump_traceback_later()
+            super().stopTest(test)
+            if time.time() > deadline:
+                self.stop()  # the run's budget is spent: start nothing more
+
+        def addSuccess(self, test: Any) -> None:
+            self._outcome(test, "passed")
+
+        def addFailure(self, test: Any, err: Any) -> None:
+            self._outcome(test, "failed", err)
+
+        def addError(self, test: Any, err: Any) -> None:
+            self._outcome(test, "error", err)
+
+        def addSkip(self, test: Any, reason: str) -> None:
+            self._outcome(test, "skipped", detail=reason)
+
+        def addExpectedFailure(self, test: Any, err: Any) -> None:
+            self._outcome(test, "passed")
+
+        def addUnexpectedSuccess(self, test: Any) -> None:
+            self._outcome(test, "failed", detail="unexpected success")
+
+        def addSubTest(self, test: Any, subtest: Any, err: Any) -> None:
+            if err is not None:
+                failed = issubclass(err[0], test.failureException)
+                self._outcome(test, "failed" if failed else "error", err)
+
+    loader = unittest.TestLoader()
+    suite = unittest.TestSuite(loader.loadTestsFromName(test, module) for test in ids)
+    suite.run(EventResult())
+    out.close()
+
+
+# ---------------------------------------------------------------------------------------
+# The parent: one child per class, timeouts, stray processes, the report
+# ---------------------------------------------------------------------------------------
+
+SEVERITY = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+LABEL = {"failed": "FAIL", "error": "ERROR"}
+NOT_RUN = "not run: the run's budget (--budget) was spent"
+
+
+@dataclass
+class Outcome:
+    """What became of one test: the worst of what was reported for it."""
+
+    outcome: str = "error"
+    detail: str = NOT_RUN
+    traceback: str = ""
+    extra: list[str] = field(default_factory=list)  # the other failures and errors
+    reported: bool = False
+
+    def add(self, outcome: str, detail: str, text: str) -> None:
+        if not self.reported or SEVERITY[outcome] > SEVERITY[self.outcome]:
+            if self.reported and self.outcome in ("failed", "error"):
+                self.extra.append(f"{self.outcome}: {self.detail}")
+            self.outcome, self.detail, self.traceback = outcome, detail, text
+            self.reported = True
+        elif outcome in ("failed", "error"):
+            self.extra.append(f"{outcome}: {detail}")
+            self.traceback += "\n" + text
+
+
+def _group_members(pgid: int) -> list[tuple[int, str]]:
+    """The live (non-zombie) processes of a process group, with their command lines."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) != pgid or fields[0] == "Z":
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        members.append((int(entry.name), cmdline.strip()[:120]))
+    return members
+
+
+def _reap_group(pgid: int) -> list[tuple[int, str]]:
+    """Kill what a finished child left in its process group; return what that was."""
+    if not Path("/proc").is_dir():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        return []
+    left = _group_members(pgid)
+    for _ in range(20):  # workers may be on their way out: give them a moment
+        if not left:
+            return []
+        time.sleep(0.1)
+        left = _group_members(pgid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    return left
+
+
+@dataclass
+class Run:
+    sources: Sources
+    stdlib: bool
+    timeout: float
+    deadline: float
+    logs: Path
+    results: dict[str, Outcome] = field(default_factory=dict)
+    fixture_errors: list[str] = field(default_factory=list)
+    strays: list[str] = field(default_factory=list)
+    durations: dict[str, float] = field(default_factory=dict)  # test -> seconds
+
+    def run_class(self, cls: str, tests: list[str]) -> None:
+        """Run ``tests`` of class ``cls``, in as many children as hangs and crashes need."""
+        log_path = self.logs / f"{cls}.log"
+        events_path = self.logs / f"{cls}.events"
+        pending = list(tests)
+        while pending:
+            left = self.deadline - time.time()
+            if left <= 0:
+                return  # what is pending stays "not run"
+            events_path.unlink(missing_ok=True)
+            cmd = [
+                sys.executable,
+                str(SCRIPT),
+                "--child-run",
+                "--overlay",
+                str(self.sources.overlay),
+                "--events",
+                str(events_path),
+                "--timeout",
+                str(self.timeout),
+                "--deadline",
+                str(self.deadline),
+                *(["--stdlib"] if self.stdlib else []),
+                *pending,
+            ]
+            backstop = min(self.timeout * len(pending) + 60, left + self.timeout + 30)
+            log_start = log_path.stat().st_size if log_path.exists() else 0
+            with log_path.open("ab") as log_file:
+                child = subprocess.Popen(
+                    cmd,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    cwd=ROOT,
+                )
+                killed = False
+                try:
+                    child.wait(timeout=backstop)
+                except subprocess.TimeoutExpired:
+                    killed = True
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child.pid, signal.SIGKILL)
+                    child.wait()
+            for pid, cmdline in _reap_group(child.pid):
+                self.strays.append(f"{cls}: pid {pid} left running, killed: {cmdline}")
+            with log_path.open("rb") as log_file:
+                log_file.seek(log_start)
+                output = log_file.read().decode(errors="replace")  # this child's
+            started, finished = self._read_events(events_path)
+            hung = [t for t in started if t not in finished]
+            if hung:
+                self._record_hang(hung[0], child.returncode, killed, output)
+            elif killed or child.returncode != 0:
+                self.fixture_errors.append(
+                    f"{cls}: the child {'was killed' if killed else 'exited with code '}"
+                    f"{'' if killed else child.returncode} after its last test (see {log_path})"
+                )
+            done = set(started)
+            rest = [t for t in pending if t not in done]
+            if not started and child.returncode != 0:
+                tail = output.strip().splitlines()[-15:]
+                for test in rest:
+                    self.results[test].add(
+                        "error",
+                        f"the child exited with code {child.returncode} before the test",
+                        "\n".join(tail),
+                    )
+                return
+            if not hung:
+                return  # finished, or stopped at the deadline
+            pending = rest
+
+    def _read_events(self, path: Path) -> tuple[list[str], set[str]]:
+        started: list[str] = []
+        finished: set[str] = set()
+        began: dict[str, float] = {}
+        if not path.exists():
+            return started, finished
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if event["event"] == "start":
+                started.append(event["test"])
+                began[event["test"]] = event["time"]
+            elif event["event"] == "result" and event["test"] in self.results:
+                finished.add(event["test"])
+                self.durations[event["test"]] = event["time"] - began[event["test"]]
+                outcome = self.results[event["test"]]
+                outcome.add(event["outcome"], event["detail"], event["traceback"])
+            else:
+                self.fixture_errors.append(
+                    f"{event['test']}: {event['outcome']}: {event['detail']}"
+                )
+        return started, finished
+
+    def _record_hang(self, test: str, code: int | None, killed: bool, output: str) -> None:
+        """Count a test during which its child hung or died as an error."""
+        dumped = output.rfind("Timeout (")
+        if killed:
+            detail = "the child did not finish in time and was killed"
+        elif dumped >= 0 and code == 1:
+            detail = f"timed out after {self.timeout:g} s (faulthandler dump in the log)"
+        else:
+            detail = f"the child died during the test (exit code {code})"
+        self.results[test].add("error", detail, output[dumped if dumped >= 0 else -6000 :])
+
+
+COLUMNS = [
+    ("public passed", "public", ("passed",)),
+    ("public failed", "public", ("failed",)),
+    ("public errors", "public", ("error",)),
+    ("private passed", "private", ("passed",)),
+    ("private failed", "private", ("failed", "error")),
+    ("skipped", None, ("skipped",)),
+]
+
+
+def summary_table(tests: list[dict[str, Any]], results: dict[str, Outcome]) -> str:
+    methods = [m for m in MIXINS if any(t["start_method"] == m for t in tests)]
+    counts: dict[str, collections.Counter[str]] = {m: collections.Counter() for m in methods}
+    for test in tests:
+        kind = "private" if test["private"] else "public"
+        outcome = results[test["id"]].outcome
+        for title, wanted_kind, outcomes in COLUMNS:
+            if outcome in outcomes and wanted_kind in (None, kind):
+                counts[test["start_method"]][title] += 1
+    counts["total"] = sum(counts.values(), collections.Counter())
+    titles = [title for title, _, _ in COLUMNS]
+    rows = [["start method", *titles]]
+    rows += [[m, *(str(counts[m][t]) for t in titles)] for m in [*methods, "total"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append(" | ".join(cells))
+        if i == 0 or i == len(rows) - 2:
+            lines.append("-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def select(tests: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The tests that the positional names, -k patterns and --start-method select."""
+    chosen = tests
+    if args.start_method:
+        chosen = [t for t in chosen if t["start_method"] in args.start_method]
+    if args.tests:
+        wanted = set(args.tests)
+        chosen = [t for t in chosen if {t["id"], t["cls"], t["name"]} & wanted]
+    if args.patterns:
+
+        def matches(test_id: str, pattern: str) -> bool:
+            if any(c in pattern for c in "*?["):
+                return fnmatch.fnmatchcase(test_id, pattern)
+            return pattern in test_id
+
+        chosen = [t for t in chosen if any(matches(t["id"], p) for p in args.patterns)]
+    return chosen
+
+
+def header(sources: Sources, stdlib: bool) -> list[str]:
+    """What is under test, for the top of the report; a SetupError if sharexec is missing."""
+    under_test = "concurrent.futures.ProcessPoolExecutor (control run, --stdlib)"
+    if not stdlib:
+        probe = _run(
+            [
+                sys.executable,
+                "-c",
+                "import loky, sharexec; print(sharexec.__version__, 'from', "
+                "sharexec.__file__, '/ loky', loky.__version__)",
+            ]
+        )
+        if probe.returncode != 0:
+            raise SetupError(f"cannot import sharexec with {sys.executable}:\n{probe.stderr}")
+        under_test = f"sharexec.SharedProcessPoolExecutor {probe.stdout.strip()}"
+    return [
+        f"Python        {sys.version.split()[0]} ({sys.executable})",
+        f"suite         {SUITE} from {sources.test_file}",
+        f"test.support  {sources.support}",
+        f"executor      {under_test}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "tests",
+        nargs="*",
+        metavar="TEST",
+        help="a test (Class.test_name), a class, or a test name (in every class)",
+    )
+    parser.add_argument(
+        "-k",
+        dest="patterns",
+        action="append",
+        default=[],
+        help="only tests whose Class.test_name contains this, or matches it as a glob",
+    )
+    parser.add_argument("--start-method", action="append", choices=list(MIXINS))
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds for one test (default {DEFAULT_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=DEFAULT_BUDGET,
+        help=f"seconds for the run: no test starts after (default {DEFAULT_BUDGET:g})",
+    )
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument(
+        "--test-file",
+        type=Path,
+        help="a local test_concurrent_futures.py instead of Debian's",
+    )
+    parser.add_argument(
+        "--stdlib",
+        action="store_true",
+        help="control run: the stdlib's ProcessPoolExecutor, not ours",
+    )
+    parser.add_argument("--list", action="store_true", help="list the tests and exit")
+    parser.add_argument(
+        "--tracebacks", action="store_true", help="print the tracebacks of the failures"
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here, as JSON")
+    # Internal: the child processes.
+    parser.add_argument("--child-discover", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--overlay", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--events", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child_discover:
+        child_discover(args.overlay)
+        return 0
+    if args.child_run:
+        child_run(args.overlay, args.stdlib, args.events, args.timeout, args.deadline, args.tests)
+        return 0
+
+    started = time.time()
+    try:
+        sources = prepare_sources(args.cache_dir.resolve(), args.test_file)
+        all_tests = discover(sources)
+        top = header(sources, args.stdlib)
+    except SetupError as exc:
+        print(f"run_cpython_suite: {exc}", file=sys.stderr)
+        return 2
+    tests = select(all_tests, args)
+    if not tests:
+        print("run_cpython_suite: no test selected", file=sys.stderr)
+        return 2
+    found = {t["body"] for t in all_tests if t["private"]}
+    notes = [
+        f"note: the scan finds {name} private, but EXPECTED_PRIVATE does not list it"
+        for name in sorted(found - set(EXPECTED_PRIVATE))
+    ] + [
+        f"note: EXPECTED_PRIVATE lists {name}, but the scan finds no private read in it"
+        for name in sorted(set(EXPECTED_PRIVATE) - found)
+    ]
+    if args.list:
+        for test in tests:
+            kind = "private" if test["private"] else "public"
+            reads = ", ".join(test["private"])
+            print(f"{test['start_method']:<10} {kind:<7} {test['id']}  {reads}".rstrip())
+        print(*notes, sep="\n")
+        return 0
+
+    for line in top:
+        log(line)
+    log(f"{len(tests)} tests, {args.timeout:g} s each at most, {args.budget:g} s in all\n")
+    logs = args.cache_dir.resolve() / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    run = Run(sources, args.stdlib, args.timeout, started + args.budget, logs)
+    by_class: dict[str, list[str]] = {}
+    for test in tests:
+        run.results[test["id"]] = Outcome()
+        by_class.setdefault(test["cls"], []).append(test["id"])
+    kinds = {t["id"]: ("private" if t["private"] else "public") for t in tests}
+    for cls, ids in by_class.items():
+        began = time.time()
+        run.run_class(cls, ids)
+        tally = collections.Counter(run.results[t].outcome for t in ids)
+        said = ", ".join(f"{n} {o}" for o, n in sorted(tally.items()))
+        log(f"{cls:<48} {said}  ({time.time() - began:.1f} s)")
+        for test in ids:
+            outcome = run.results[test]
+            if outcome.outcome in ("failed", "error"):
+                log(f"    {LABEL[outcome.outcome]:<5} {kinds[test]:<7} {test}: {outcome.detail}")
+
+    failing = [t for t in tests if run.results[t["id"]].outcome in ("failed", "error")]
+    failing.sort(key=lambda t: (kinds[t["id"]] != "public", t["name"], t["id"]))
+    public_failed = sum(kinds[t["id"]] == "public" for t in failing)
+    report: list[str] = ["", summary_table(tests, run.results), ""]
+    if failing:
+        report.append(
+            f"Failing tests ({public_failed} public, {len(failing) - public_failed}"
+            " private), with the first line of each failure:"
+        )
+        for test in failing:
+            outcome = run.results[test["id"]]
+            report.append(
+                f"  {kinds[test['id']]:<7} {LABEL[outcome.outcome]:<5} {test['id']}: "
+                f"{outcome.detail.splitlines()[0] if outcome.detail else ''}"
+            )
+            report += [f"      also {extra}" for extra in outcome.extra]
+    slowest = sorted(run.durations.items(), key=lambda item: -item[1])[:8]
+    if slowest:
+        report += ["", "Slowest tests:", *(f"  {d:6.1f} s  {t}" for t, d in slowest)]
+    for title, items in (
+        ("Errors outside any test (module/class fixtures, cleanups)", run.fixture_errors),
+        ("Processes left behind by a child (killed)", run.strays),
+        ("Notes", notes),
+    ):
+        if items:
+            report += ["", f"{title}:", *(f"  {item}" for item in items)]
+    for line in report:
+        log(line)
+
+    details = [
+        f"{t['id']} [{kinds[t['id']]}] {run.results[t['id']].outcome}\n"
+        f"{run.results[t['id']].traceback}"
+        for t in failing
+    ]
+    details_path = args.cache_dir.resolve() / "last-run.txt"
+    details_path.write_text("\n".join([*report, "", "Tracebacks:", "", *details]) + "\n")
+    if args.tracebacks:
+        for text in details:
+            log("\n" + text)
+    if args.json:
+        results = [
+            {
+                **t,
+                "kind": kinds[t["id"]],
+                "outcome": run.results[t["id"]].outcome,
+                "detail": run.results[t["id"]].detail,
+                "traceback": run.results[t["id"]].traceback,
+            }
+            for t in tests
+        ]
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    public = [t for t in tests if kinds[t["id"]] == "public"]
+    public_passed = sum(run.results[t["id"]].outcome == "passed" for t in public)
+    public_skipped = sum(run.results[t["id"]].outcome == "skipped" for t in public)
+    log("")
+    log(f"Tracebacks: {details_path}; children's output: {logs}/")
+    if failing:
+        first = failing[0]
+        log(f"Rerun one: python tests/compat/run_cpython_suite.py --tracebacks {first['id']}")
+    log(f"Finished in {time.time() - started:.0f} s.")
+    log(f"public: {public_passed} passed, {public_failed} failed, {public_skipped} skipped")
+    return 1 if public_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
