@@ -69,7 +69,11 @@ def byte_bounds(a: np.ndarray) -> tuple[int, int]:
 
 
 def rebuild_view(
-    buffer: Any, offset: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype
+    buffer: Any,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...] | None,
+    dtype: np.dtype,
 ) -> np.ndarray:
     """An array over ``buffer`` (zero-copy), its first element at byte ``offset``."""
     view: np.ndarray = np.ndarray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
@@ -133,10 +137,12 @@ def rebuild_shared(
     strides: tuple[int, ...],
     dtype: np.dtype,
     adopt: bool,
+    writeable: bool = True,
 ) -> SharedArray:
     """Rebuild a view of a shared array from its segment's name and its geometry."""
     mapping = _tracking.attach_shared(name, size, adopt)
     view: SharedArray = SharedArray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
+    view.flags.writeable = writeable  # a read-only view stays read-only everywhere
     return view
 
 
@@ -151,6 +157,7 @@ def reduce_shared(a: np.ndarray, mapping: Mapping, adopt: bool = False) -> Any:
         a.strides,
         a.dtype,
         adopt,
+        bool(a.flags.writeable),
     )
 
 

@@ -166,7 +166,12 @@ class Pass:
             adopt = self.transport is None and _tracking.owns(mapping)
             return reduce_shared(a, mapping, adopt)
         if a.nbytes < self.min_share_bytes:
-            return None
+            if a.dtype.isnative:
+                return None  # numpy pickles it, in-band
+            # numpy's pickling of a non-contiguous, datetime or long double array turns
+            # big-endian into native order: send its bytes in-band ourselves instead.
+            data = bytearray(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            return rebuild_view, (data, 0, a.shape, None, a.dtype)
         if high - low != a.nbytes and not self._holds(low, high):
             return self._compact(a)
         # Dense (C, F, transposed, reversed: every byte it spans is its own), or inside

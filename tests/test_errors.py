@@ -64,7 +64,7 @@ def test_result_that_fails_to_rebuild_fails_only_its_future(executor):
 
 def test_task_exception_with_unpicklable_exception(executor):
     bad = executor.submit(_raise_unpicklable)
-    with pytest.raises(Exception, match="cannot pickle|unpicklable|lock"):
+    with pytest.raises(Exception, match=r"cannot pickle|unpicklable|lock"):
         bad.result()
     assert executor.submit(workers.identity, 5).result() == 5
 
