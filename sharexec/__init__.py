@@ -13,7 +13,7 @@ from ._arrays import (
     zeros,
     zeros_like,
 )
-from ._executor import SharedProcessPoolExecutor
+from ._executor import SharedProcessPoolExecutor, Statistics, get_executor
 from .errors import ConfigError, ResultError, SegmentError, SharexecError, SharexecWarning
 
 __all__ = [
@@ -24,10 +24,12 @@ __all__ = [
     "SharedProcessPoolExecutor",
     "SharexecError",
     "SharexecWarning",
+    "Statistics",
     "empty",
     "empty_like",
     "full",
     "full_like",
+    "get_executor",
     "is_shared",
     "ones",
     "ones_like",

@@ -6,6 +6,9 @@ demo
     Time a workload over a large NumPy array with the standard library's
     ``ProcessPoolExecutor`` and with ``sharexec.SharedProcessPoolExecutor``, side by side,
     and print both times and their ratio (the workload itself lives in ``_demo``).
+doctor
+    Report the platform, the shared-memory folder and its free space, the start methods
+    and any stale segments (the facts come from ``_doctor``); ``--clean`` removes those.
 
 This is the only module of sharexec that prints. Spawned workers re-import it as
 ``__mp_main__``, so it does nothing at import time beyond defining functions.
@@ -59,7 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help="size of the array in MiB (default: %(default)s, i.e. 134,217,728 float64)",
     )
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this machine: shared memory, fallback folder, stale segments",
+        description="Report what sharexec finds on this machine, and what to fix.",
+    )
+    doctor.add_argument(
+        "--clean", action="store_true", help="remove segments left by dead processes"
+    )
     return parser
+
+
+def _doctor(clean: bool) -> int:
+    from ._doctor import examine, remove_stale
+
+    if clean:
+        for name in remove_stale():
+            print(f"removed {name}")
+    findings = examine()
+    width = max(len(f.topic) for f in findings)
+    for f in findings:
+        mark = {"ok": "ok", "warning": "WARNING", "error": "ERROR"}[f.status]
+        print(f"{f.topic:<{width}}  {mark:<7}  {f.detail}")
+    return 1 if any(f.status == "error" for f in findings) else 0
 
 
 def _demo(size_mb: float) -> int:
@@ -84,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args.size_mb)
+    if args.command == "doctor":
+        return _doctor(args.clean)
     parser.print_help()
     return 0
 

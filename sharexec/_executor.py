@@ -33,21 +33,26 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from loky import ProcessPoolExecutor as _LokyExecutor
+from loky import cpu_count
 from loky._base import Future as _LokyFuture
 from loky.backend.context import get_context as _loky_context
 from loky.backend.queues import SimpleQueue as _LokySimpleQueue
 from loky.process_executor import ShutdownExecutorError, _RecycledWorkerPid, _SafeQueue
 
+from . import _tracking
 from ._config import Options
 from ._reduction import RebuildFailure, Task, Transport, run, run_initializer
 
-__all__ = ["SharedProcessPoolExecutor"]
+__all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
 T = TypeVar("T")
 
@@ -68,6 +73,39 @@ def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
             f"got {mp_context!r}"
         )
     return mp_context
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """A snapshot of what an executor moved through shared memory.
+
+    Attributes
+    ----------
+    segments_live : int
+        Shared-memory segments this process holds now (shared arrays, copies of
+        arguments in flight, results it adopted are not counted: they are unlinked).
+    bytes_in_shared_memory : int
+        Their total size.
+    bytes_copied : int
+        Argument bytes this executor copied into shared memory (one memcpy each).
+    bytes_reused : int
+        Argument bytes served by a copy already in shared memory: copies avoided.
+    bytes_by_reference : int
+        Bytes of shared arrays passed by reference (nothing copied).
+    fallbacks : int
+        Times shared memory fell short: a file on disk, or pickling, was used instead.
+    tasks_submitted, tasks_done : int
+        Calls submitted, and calls whose future is done.
+    """
+
+    segments_live: int
+    bytes_in_shared_memory: int
+    bytes_copied: int
+    bytes_reused: int
+    bytes_by_reference: int
+    fallbacks: int
+    tasks_submitted: int
+    tasks_done: int
 
 
 class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
@@ -100,6 +138,8 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         sharexec options (see :class:`sharexec._config.Options`), e.g.
         ``min_share_bytes``. An unknown option is a :class:`~sharexec.ConfigError`.
     """
+
+    _worker_env: dict[str, str] | None = None  # the workers' environment (loky's method)
 
     def __init__(
         self,
@@ -141,6 +181,7 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             context=context,
             initializer=initializer,
             initargs=initargs,
+            env=self._worker_env,
         )
 
     def _setup_queues(
@@ -168,13 +209,38 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         worker, and large array results come back the same way.
         """
         task = Task(fn, args, kwargs, self._transport)
+        self._transport.counts["tasks_submitted"] += 1
         try:
             future: Future[T] = super().submit(run, task)
         except ShutdownExecutorError as exc:
             raise RuntimeError(str(exc)) from None  # the stdlib's plain RuntimeError
         future.__class__ = _Future  # still loky's Future, which raises failed rebuilds
-        future.add_done_callback(lambda _: task.release())
+        # The first callback, before any of the user's: the call's segments are released
+        # (no reference to the executor here, so that a future never keeps it alive).
+        future.add_done_callback(partial(_finished, task))
         return future
+
+    def statistics(self) -> Statistics:
+        """What this executor moved, and how: proof that sharing happens.
+
+        Returns
+        -------
+        Statistics
+            Counts since the executor was created, and the segments this process
+            holds right now.
+        """
+        counts = self._transport.counts
+        segments, size = _tracking.live()
+        return Statistics(
+            segments_live=segments,
+            bytes_in_shared_memory=size,
+            bytes_copied=counts["bytes_copied"],
+            bytes_reused=counts["bytes_reused"],
+            bytes_by_reference=counts["bytes_by_reference"],
+            fallbacks=counts["fallbacks"],
+            tasks_submitted=counts["tasks_submitted"],
+            tasks_done=counts["tasks_done"],
+        )
 
     def map(
         self,
@@ -203,6 +269,11 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         super().shutdown(wait=wait)
         if wait and self._init_task is not None:
             self._init_task.release()
+
+
+def _finished(task: Task, future: Future[Any]) -> None:
+    task.release()
+    task.transport.counts["tasks_done"] += 1
 
 
 class _Future(_LokyFuture):  # type: ignore[misc]
@@ -263,3 +334,81 @@ class _RecyclingResultQueue(_LokySimpleQueue):  # type: ignore[misc]
         if _recycling and type(obj) is int:
             obj = _RecycledWorkerPid(obj)  # loky's mark: replaced without a warning
         super().put(obj)
+
+
+# ---------------------------------------------------------------------------------------
+# One executor per process, for library authors
+# ---------------------------------------------------------------------------------------
+
+# The environment variables through which BLAS and OpenMP libraries size their pools.
+_THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
+class _ProcessWideExecutor(SharedProcessPoolExecutor):
+    """The executor of get_executor(): loky's start method, BLAS/OpenMP pools limited.
+
+    loky's start method sets the workers' environment before they import anything, so
+    the limit holds even for numpy imported at start-up (threadpoolctl would need numpy
+    loaded first, and is not a dependency). Variables the user set are left alone.
+    """
+
+    def __init__(self, max_workers: int, **options: Any) -> None:
+        threads = str(max(1, cpu_count() // max_workers))
+        self._worker_env = {v: threads for v in _THREAD_VARIABLES if v not in os.environ}
+        super().__init__(max_workers, mp_context="loky", **options)
+
+
+_process_wide_lock = threading.Lock()
+_process_wide: _ProcessWideExecutor | None = None
+
+
+def get_executor(max_workers: int | None = None, **options: Any) -> SharedProcessPoolExecutor:
+    """The process-wide executor, for library code that wants to parallelize.
+
+    Created at the first call and reused by every later one, from any thread: libraries
+    share one pool of workers instead of each starting its own. Each worker's BLAS and
+    OpenMP thread pools are limited to ``cores // max_workers`` threads, so that workers
+    times threads do not oversubscribe the machine. Don't shut it down: let the process
+    exit, or call :func:`get_executor` again, which replaces it if it was shut down or
+    broken.
+
+    Parameters
+    ----------
+    max_workers : int, optional
+        Workers wanted; by default, the current executor's, or the number of cores. A
+        different number replaces the executor with one of that size (calls already
+        submitted to the old one still complete).
+    **options
+        sharexec options (e.g. ``min_share_bytes``); different options also replace it.
+
+    Returns
+    -------
+    SharedProcessPoolExecutor
+        The executor; use ``submit`` and ``map`` as usual.
+    """
+    global _process_wide
+    settings = Options.resolve(options)
+    with _process_wide_lock:
+        current = _process_wide
+        if max_workers is None:
+            max_workers = current._max_workers if current is not None else cpu_count()
+        usable = (
+            current is not None
+            and current._flags.broken is None
+            and not current._flags.shutdown
+            and current._max_workers == max_workers
+            and current._options == settings
+        )
+        if not usable:
+            if current is not None:
+                current.shutdown(wait=False)  # its pending calls still complete
+            _process_wide = current = _ProcessWideExecutor(max_workers, **options)
+        assert current is not None
+        return current

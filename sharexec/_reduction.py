@@ -41,7 +41,7 @@ import threading
 import traceback
 import types
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,6 +162,7 @@ class Pass:
         if found is not None:
             mapping = found[0]
             self.keep.append(mapping)
+            self._count("bytes_by_reference", a.nbytes)
             # Backward, a shared array this worker allocated goes to the parent's care.
             adopt = self.transport is None and _tracking.owns(mapping)
             return reduce_shared(a, mapping, adopt)
@@ -200,7 +201,12 @@ class Pass:
             )
         return mapping
 
+    def _count(self, what: str, n: int) -> None:
+        if self.transport is not None:  # the parent's side: what statistics() reports
+            self.transport.counts[what] += n
+
     def _fell_back(self, message: str) -> None:
+        self._count("fallbacks", 1)
         if self.transport is not None:
             _tracking.warn_fallback(message)
         else:  # a worker: the parent warns when it receives the result
@@ -215,6 +221,7 @@ class Pass:
         mapping = self._new_copy(a.nbytes)
         if mapping is None:
             return None  # numpy pickles it
+        self._count("bytes_copied", a.nbytes)
         f_order = a.ndim > 1 and abs(a.strides[0]) < abs(a.strides[-1])
         copy = np.ndarray(a.shape, a.dtype, buffer=mapping, order="F" if f_order else "C")
         np.copyto(copy, a)
@@ -241,6 +248,7 @@ class Pass:
         for copied_low, copied_high, copied in self._copied:
             if copied_low <= low and low + length <= copied_high:
                 mapping, offset = copied, low - copied_low
+                self._count("bytes_reused", length)
                 break
         else:
             fresh = self._copy(raw, low)
@@ -256,10 +264,12 @@ class Pass:
         if self.transport is not None:
             reused = self.transport.reusable_copy(raw, low)
             if reused is not None:
+                self._count("bytes_reused", raw.nbytes)
                 return reused
         mapping = self._new_copy(raw.nbytes)
         if mapping is None:
             return None
+        self._count("bytes_copied", raw.nbytes)
         np.frombuffer(mapping, np.uint8, raw.nbytes)[:] = np.frombuffer(raw, np.uint8)
         if self.transport is not None:
             self.transport.remember_copy(raw, low, mapping)
@@ -337,6 +347,8 @@ class Transport:
 
     def __init__(self, options: Options) -> None:
         self.options = options
+        # What went where, for statistics(), e.g. {"bytes_copied": 8000000, "tasks": 3}.
+        self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         # Copies still referenced by a task in flight, by the source bytes they hold,
         # e.g. {(140213, 8000000): <weakref to Mapping>}.

@@ -48,6 +48,7 @@ __all__ = [
     "forget",
     "hand_off",
     "join_sweeper",
+    "live",
     "new_private",
     "new_shared",
     "owns",
@@ -75,10 +76,12 @@ class Segment:
         self.size = size
         self.pid = os.getpid()
         self._finalizer = weakref.finalize(self, _unlink, name, self.pid)
+        _live[name] = size
 
     def hand_off(self) -> None:
         """Give up ownership: another process will unlink this segment."""
         self._finalizer.detach()
+        _live.pop(self.name, None)
 
     @property
     def owned(self) -> bool:
@@ -86,7 +89,18 @@ class Segment:
         return self._finalizer.alive and self.pid == os.getpid()
 
 
+# Segments this process owns now, with their sizes, e.g. {"sharexec-41-Zm9v": 8000000}.
+_live: dict[str, int] = {}
+
+
+def live() -> tuple[int, int]:
+    """How many segments this process owns now, and their total size in bytes."""
+    sizes = list(_live.values())
+    return len(sizes), sum(sizes)
+
+
 def _unlink(name: str, owner_pid: int) -> None:
+    _live.pop(name, None)
     if os.getpid() == owner_pid:
         _segments.unlink(name)
         _tell("U", name)

@@ -1,0 +1,134 @@
+"""For library authors (DESIGN.md D8): get_executor, statistics, logging, doctor."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import workers
+from loky import cpu_count
+from test_lifetime import callbacks_done
+
+import sharexec
+from sharexec import _segments
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def process_wide(no_leaks):
+    """get_executor()'s executor is shut down after the test, so nothing is left."""
+    yield
+    from sharexec import _executor
+
+    if _executor._process_wide is not None:
+        _executor._process_wide.shutdown(wait=True)
+        _executor._process_wide = None
+
+
+def test_get_executor_is_one_per_process_even_from_threads(process_wide):
+    got = []
+    barrier = threading.Barrier(8)
+
+    def ask():
+        barrier.wait(30)
+        got.append(sharexec.get_executor(2))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 8 and len({id(ex) for ex in got}) == 1
+    assert sharexec.get_executor() is got[0]  # no size asked: the current one
+    assert got[0].submit(workers.total, np.ones(300_000)).result() == 300_000.0
+
+
+def test_get_executor_is_replaced_when_resized_shut_down_or_broken(process_wide):
+    first = sharexec.get_executor(2)
+    assert first.submit(workers.identity, 1).result() == 1
+    second = sharexec.get_executor(1)
+    assert second is not first and second._max_workers == 1
+    assert second.submit(workers.identity, 2).result() == 2
+    second.shutdown()
+    third = sharexec.get_executor()
+    assert third is not second and third.submit(workers.identity, 3).result() == 3
+    broken = third.submit(os._exit, 1)
+    with pytest.raises(Exception, match="terminated"):
+        broken.result()
+    fourth = sharexec.get_executor()
+    assert fourth is not third and fourth.submit(workers.identity, 4).result() == 4
+
+
+def test_workers_of_get_executor_limit_blas_and_openmp_threads(process_wide, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")  # the user's choice is kept
+    ex = sharexec.get_executor(2)
+    env = ex.submit(workers.environment).result()
+    assert env["OMP_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == str(max(1, cpu_count() // 2))
+    assert env["MKL_NUM_THREADS"] == "3"
+
+
+def test_statistics_show_what_was_shared(executor):
+    a = np.ones(1_000_000)  # 8 MB, private
+    shared = sharexec.zeros(100_000)  # 800 kB, shared
+    futures = [executor.submit(workers.hold_nothing, a, shared) for _ in range(3)]
+    released = [callbacks_done(f) for f in futures]  # sharexec's own callback ran first
+    for f, done in zip(futures, released, strict=True):
+        assert f.result() == 2 and done.wait(60)
+    stats = executor.statistics()
+    assert isinstance(stats, sharexec.Statistics)
+    assert stats.tasks_submitted == stats.tasks_done == 3
+    assert stats.bytes_by_reference == 3 * shared.nbytes
+    assert stats.bytes_copied + stats.bytes_reused == 3 * a.nbytes
+    assert stats.bytes_copied >= a.nbytes
+    assert stats.fallbacks == 0
+    assert stats.segments_live >= 1 and stats.bytes_in_shared_memory >= shared.nbytes
+    with pytest.raises(AttributeError):
+        stats.tasks_done = 0  # frozen
+
+
+def test_segments_are_logged_and_nothing_printed(executor, caplog, capsys):
+    with caplog.at_level(logging.DEBUG, logger="sharexec"):
+        a = sharexec.zeros(10)
+        name = next(r.args[0] for r in caplog.records if "created shared" in r.getMessage())
+        del a
+        gc.collect()
+        assert any(
+            r.args and r.args[0] == name and "unlinked" in r.getMessage() for r in caplog.records
+        )
+        assert executor.submit(workers.total, np.ones(300_000)).result() == 300_000.0
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+def test_doctor_reports_and_cleans_stale_segments(no_leaks):
+    stale = "sharexec-4194304-doctortest01"  # no such pid: above Linux's pid_max default
+    _segments.create(4096, stale)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "sharexec", "doctor"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr
+        for topic in ("platform", "shared memory", "fallback folder", "start methods"):
+            assert topic in run.stdout
+        assert stale in run.stdout and "WARNING" in run.stdout
+        cleaned = subprocess.run(
+            [sys.executable, "-m", "sharexec", "doctor", "--clean"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert f"removed {stale}" in cleaned.stdout
+        assert stale not in _segments.listdir()
+    finally:
+        _segments.unlink(stale)
