@@ -42,7 +42,14 @@ def tests(session: nox.Session) -> None:
 def clients(session: nox.Session) -> None:
     """Run the tests with real third-party clients (scipy, dask): the ``clients`` extra."""
     session.install(".[test,clients]")
-    session.run("python", "-m", "pytest", "tests/test_clients.py", *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/test_clients.py",
+        "tests/test_pickle5.py",
+        *session.posargs,
+    )
 
 
 @nox.session
