@@ -91,8 +91,12 @@ MIXINS = {
 # Where our class is imported from in the scripts of assert_python_ok.
 IMPORT_FROM = "sharexec"
 
-DEFAULT_TIMEOUT = 60.0  # per test; the deadlock tests wait support.SHORT_TIMEOUT (30 s)
-DEFAULT_BUDGET = 480.0  # no test starts after: budget + one timeout stays under 10 minutes
+# Time limits. A run takes at most about budget + timeout + STALL_GRACE, plus the setup:
+# under 10 minutes with the defaults, on 2 cores, however the tests hang.
+DEFAULT_TIMEOUT = 45.0  # per test; the deadlock tests wait support.SHORT_TIMEOUT (30 s)
+DEFAULT_BUDGET = 420.0  # per run: no test starts after (a normal run takes about 5 minutes)
+EXIT_TIMEOUT = 20.0  # for a child to exit once its tests are done
+STALL_GRACE = 30.0  # a child silent for timeout + this is killed (its watchdog failed)
 
 
 class SetupError(Exception):
@@ -405,7 +409,9 @@ def child_run(
             faulthandler.dump_traceback_later(timeout, exit=True)
 
         def stopTest(self, test: Any) -> None:
-            faulthandler.cancel_dump_traceback_later()
+            # Until the next test starts, the same limit holds for the class and module
+            # fixtures (tearDownClass, tearDownModule and its cleanups).
+            faulthandler.dump_traceback_later(timeout, exit=True)
             super().stopTest(test)
             if time.time() > deadline:
                 self.stop()  # the run's budget is spent: start nothing more
@@ -436,7 +442,10 @@ def child_run(
     loader = unittest.TestLoader()
     suite = unittest.TestSuite(loader.loadTestsFromName(test, module) for test in ids)
     suite.run(EventResult())
+    emit(event="done")
     out.close()
+    # What is left (joining threads and workers, atexit hooks) has EXIT_TIMEOUT to finish.
+    faulthandler.dump_traceback_later(EXIT_TIMEOUT, exit=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -539,7 +548,6 @@ class Run:
                 *(["--stdlib"] if self.stdlib else []),
                 *pending,
             ]
-            backstop = min(self.timeout * len(pending) + 60, left + self.timeout + 30)
             log_start = log_path.stat().st_size if log_path.exists() else 0
             with log_path.open("ab") as log_file:
                 child = subprocess.Popen(
@@ -550,30 +558,28 @@ class Run:
                     start_new_session=True,
                     cwd=ROOT,
                 )
-                killed = False
-                try:
-                    child.wait(timeout=backstop)
-                except subprocess.TimeoutExpired:
-                    killed = True
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(child.pid, signal.SIGKILL)
-                    child.wait()
+                killed = self._watch(child, events_path)
             for pid, cmdline in _reap_group(child.pid):
                 self.strays.append(f"{cls}: pid {pid} left running, killed: {cmdline}")
             with log_path.open("rb") as log_file:
                 log_file.seek(log_start)
                 output = log_file.read().decode(errors="replace")  # this child's
-            started, finished = self._read_events(events_path)
+            started, finished, done = self._read_events(events_path)
             hung = [t for t in started if t not in finished]
             if hung:
                 self._record_hang(hung[0], child.returncode, killed, output)
-            elif killed or child.returncode != 0:
+            elif started and (killed or child.returncode != 0):
+                where = "at exit" if done else "in the class or module teardown"
+                if killed:
+                    how = "was silent too long and was killed"
+                elif "Timeout (" in output and child.returncode == 1:
+                    how = "hung and was dumped by faulthandler"
+                else:
+                    how = f"exited with code {child.returncode}"
                 self.fixture_errors.append(
-                    f"{cls}: the child {'was killed' if killed else 'exited with code '}"
-                    f"{'' if killed else child.returncode} after its last test (see {log_path})"
+                    f"{cls}: after its last test, the child {how} {where} (see {log_path})"
                 )
-            done = set(started)
-            rest = [t for t in pending if t not in done]
+            rest = [t for t in pending if t not in set(started)]
             if not started and child.returncode != 0:
                 tail = output.strip().splitlines()[-15:]
                 for test in rest:
@@ -587,15 +593,41 @@ class Run:
                 return  # finished, or stopped at the deadline
             pending = rest
 
-    def _read_events(self, path: Path) -> tuple[list[str], set[str]]:
+    def _watch(self, child: subprocess.Popen[bytes], events_path: Path) -> bool:
+        """Wait for ``child``; kill its group if it is silent too long. Return if killed.
+
+        The child's own watchdog (faulthandler) should end any hang first; this is for a
+        hang it cannot see (a deadlock in C with the GIL held, a stuck interpreter exit).
+        """
+        last_size, last_progress = -1, time.monotonic()
+        while True:
+            try:
+                child.wait(timeout=1)
+                return False
+            except subprocess.TimeoutExpired:
+                pass
+            size = events_path.stat().st_size if events_path.exists() else 0
+            if size != last_size:
+                last_size, last_progress = size, time.monotonic()
+            elif time.monotonic() - last_progress > self.timeout + STALL_GRACE:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                return True
+
+    def _read_events(self, path: Path) -> tuple[list[str], set[str], bool]:
+        """Record a child's events; return the tests started, those finished, and if done."""
         started: list[str] = []
         finished: set[str] = set()
         began: dict[str, float] = {}
+        done = False
         if not path.exists():
-            return started, finished
+            return started, finished, done
         for line in path.read_text().splitlines():
             event = json.loads(line)
-            if event["event"] == "start":
+            if event["event"] == "done":
+                done = True
+            elif event["event"] == "start":
                 started.append(event["test"])
                 began[event["test"]] = event["time"]
             elif event["event"] == "result" and event["test"] in self.results:
@@ -607,7 +639,7 @@ class Run:
                 self.fixture_errors.append(
                     f"{event['test']}: {event['outcome']}: {event['detail']}"
                 )
-        return started, finished
+        return started, finished, done
 
     def _record_hang(self, test: str, code: int | None, killed: bool, output: str) -> None:
         """Count a test during which its child hung or died as an error."""
