@@ -50,7 +50,7 @@ from loky.process_executor import ShutdownExecutorError, _RecycledWorkerPid, _Sa
 
 from . import _tracking
 from ._config import Options
-from ._reduction import RebuildFailure, Task, Transport, run, run_initializer
+from ._reduction import Delivered, RebuildFailure, Task, Transport, run, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
@@ -174,7 +174,7 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         # each worker start: it lives as long as the executor.
         self._init_task: Task | None = None
         if initializer is not None:
-            self._init_task = Task(initializer, tuple(initargs), {}, self._transport)
+            self._init_task = Task(initializer, tuple(initargs), {}, self._transport, ready=True)
         initializer, initargs = run_initializer, (os.getpid(), self._init_task)
         super().__init__(
             max_workers=max_workers,
@@ -214,7 +214,10 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             future: Future[T] = super().submit(run, task)
         except ShutdownExecutorError as exc:
             raise RuntimeError(str(exc)) from None  # the stdlib's plain RuntimeError
-        future.__class__ = _Future  # still loky's Future, which raises failed rebuilds
+        try:
+            future.__class__ = _Future  # still loky's Future; unwraps what load_result made
+        finally:
+            task.ready.set()  # only now may the feeder send it: set_result comes after
         # The first callback, before any of the user's: the call's segments are released
         # (no reference to the executor here, so that a future never keeps it alive).
         future.add_done_callback(partial(_finished, task))
@@ -267,12 +270,13 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             for work_item in list(self._pending_work_items.values()):
                 work_item.future.cancel()
         super().shutdown(wait=wait)
+        self._transport.empty_pool()
         if wait and self._init_task is not None:
             self._init_task.release()
 
 
 def _finished(task: Task, future: Future[Any]) -> None:
-    task.release()
+    task.release(getattr(future, "released", frozenset()))
     task.transport.counts["tasks_done"] += 1
 
 
@@ -283,10 +287,15 @@ class _Future(_LokyFuture):  # type: ignore[misc]
     manager thread's ``set_result`` fails this one future instead of the whole pool.
     """
 
+    released: frozenset[str] = frozenset()  # the argument copies the worker let go of
+
     def set_result(self, result: Any) -> None:
         if type(result) is RebuildFailure:
             self.set_exception(result.error)
-        else:
+        elif type(result) is Delivered:
+            self.released = result.released
+            super().set_result(result.value)
+        else:  # pragma: no cover - every result comes through load_result
             super().set_result(result)
 
 

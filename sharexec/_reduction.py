@@ -31,13 +31,16 @@ of out-of-band buffers (segment name, size, offset, length).
 
 from __future__ import annotations
 
+import ctypes
 import io
 import logging
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import types
 import weakref
@@ -58,6 +61,7 @@ from .errors import ResultError, SegmentError
 logger = logging.getLogger("sharexec")
 
 __all__ = [
+    "Delivered",
     "RebuildFailure",
     "Reply",
     "Task",
@@ -75,6 +79,45 @@ __all__ = [
 BufferRef = tuple[str, int, int, int]
 
 _COMPARE_CHUNK = 8 << 20  # compare in slices this big: no n-byte temporary
+_POOL_IDLE_SECONDS = 10.0  # a pooled segment unused this long is dropped
+
+
+def _same_bytes(a: int, b: int, n: int) -> bool:
+    """Whether the ``n`` bytes at addresses ``a`` and ``b`` are equal.
+
+    libc's memcmp, about twice as fast as numpy's comparison here (and it releases the
+    GIL); numpy, in slices (no n-byte temporary), where there is no libc to call.
+    """
+    if _memcmp is not None:
+        return int(_memcmp(a, b, n)) == 0
+    x = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(a))
+    y = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(b))
+    return all(
+        np.array_equal(x[i : i + _COMPARE_CHUNK], y[i : i + _COMPARE_CHUNK])
+        for i in range(0, n, _COMPARE_CHUNK)
+    )
+
+
+def _load_memcmp() -> Any:
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):  # pragma: no cover - no libc symbols
+        return None
+    memcmp.restype = ctypes.c_int
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memcmp
+
+
+_memcmp = _load_memcmp()
+
+
+def _pool_limit() -> int:
+    """Bytes of warm segments an executor keeps: a quarter of shared memory, <= 1 GiB."""
+    try:
+        total = shutil.disk_usage(_segments.SHM_FOLDER).total
+    except OSError:
+        return 0
+    return min(1 << 30, total // 4)
 
 
 # ---------------------------------------------------------------------------------------
@@ -91,6 +134,8 @@ class Packed:
     # Mappings the payload refers to (copies, shared arrays): holding them keeps their
     # segments linked until the receiver has attached.
     keep: list[Mapping] = field(repr=False)
+    # Those of them that are copies made for this payload (forward): poolable afterwards.
+    copies: list[Mapping] = field(repr=False, default_factory=list)
 
 
 class _Span:
@@ -150,6 +195,7 @@ class Pass:
         # Byte ranges copied in this pass, e.g. [(140213, 8140213, <Mapping>)]: a buffer
         # inside one of them reuses it.
         self._copied: list[tuple[int, int, Mapping]] = []
+        self.copies: list[Mapping] = []  # the copies among keep
 
     def reduce_array(self, a: np.ndarray) -> Any:
         """How ``a`` travels: a reduce tuple, or None to let numpy pickle it."""
@@ -189,6 +235,10 @@ class Pass:
         Shared memory first, then a file-backed segment on disk, then nothing: a task
         never fails because shared memory was short. The user hears of it once.
         """
+        if self.transport is not None:
+            pooled = self.transport.take_pooled(size)
+            if pooled is not None:
+                return pooled
         try:
             mapping = _tracking.new_private(size, self.spill_to)
         except SegmentError as exc:
@@ -228,6 +278,7 @@ class Pass:
         # Listed as copied, so take_buffer sends these bytes as they are.
         self._copied.append((mapping.address, mapping.address + a.nbytes, mapping))
         self.keep.append(mapping)
+        self.copies.append(mapping)
         return _describe(copy, mapping, mapping.address, mapping.address + a.nbytes)
 
     def reduce_function(self, fn: types.FunctionType) -> Any:
@@ -257,6 +308,7 @@ class Pass:
             mapping, offset = fresh, 0
             self._copied.append((low, low + length, mapping))
             self.keep.append(mapping)
+            self.copies.append(mapping)
         self.buffers.append((mapping.name, len(mapping), offset, length))
         return False
 
@@ -311,13 +363,13 @@ def dumps(
     pickler = _Pickler(out, state)
     try:
         pickler.dump(obj)
-        packed = Packed(out.getvalue(), state.buffers, state.keep)
+        packed = Packed(out.getvalue(), state.buffers, state.keep, state.copies)
     finally:
         # The C pickler holds its own bound reducer_override: a reference cycle that
         # only the garbage collector would break. Empty it now, so that the arguments
         # it memoized and the segments of a failed pass are freed at once.
         pickler.clear_memo()
-        state.buffers, state.keep, state._copied = [], [], []
+        state.buffers, state.keep, state._copied, state.copies = [], [], [], []
     if transport is None:
         # Only now that the pass succeeded: the result's copies, and the shared arrays
         # this worker allocated, become the parent's to free.
@@ -326,7 +378,13 @@ def dumps(
     return packed
 
 
-def _loads(payload: bytes, buffers: list[BufferRef], attach: Callable[[str, int], Mapping]) -> Any:
+def _loads(
+    payload: bytes,
+    buffers: list[BufferRef],
+    attach: Callable[[str, int], Mapping],
+    mapped: list[Mapping] | None = None,
+) -> Any:
+    """Unpickle ``payload`` over its out-of-band buffers; list the mappings in ``mapped``."""
     mappings: dict[str, Mapping] = {}
     views = []
     for name, size, offset, length in buffers:
@@ -334,6 +392,8 @@ def _loads(payload: bytes, buffers: list[BufferRef], attach: Callable[[str, int]
         if mapping is None:
             mapping = mappings[name] = attach(name, size)
         views.append(memoryview(mapping)[offset : offset + length])
+    if mapped is not None:
+        mapped.extend(mappings.values())
     return pickle.loads(payload, buffers=views)
 
 
@@ -349,10 +409,18 @@ class Transport:
         self.options = options
         # What went where, for statistics(), e.g. {"bytes_copied": 8000000, "tasks": 3}.
         self.counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
         # Copies still referenced by a task in flight, by the source bytes they hold,
         # e.g. {(140213, 8000000): <weakref to Mapping>}.
         self._copies: dict[tuple[int, int], weakref.ref[Mapping]] = {}
+        # Copies held by tasks in flight: {id(mapping): [mapping, tasks holding it, every
+        # worker let go of it so far]}, e.g. {1401: [<Mapping>, 2, True]}.
+        self._held: dict[int, list[Any]] = {}
+        # Copies no task holds and no worker maps any more: segments whose pages are
+        # already faulted in, reused for the next copies (a memcpy into them runs ~10x
+        # faster than into fresh shared pages). Oldest first, with the time each came
+        # in, e.g. [(<Mapping>, 5012.5)]; bounded in bytes and in age (_trim).
+        self._pool: list[tuple[Mapping, float]] = []
         # Functions pickled once, e.g. {<function f>: b"\x80\x05…"}; None: not cacheable.
         self._functions: weakref.WeakKeyDictionary[Callable[..., Any], bytes | None] = (
             weakref.WeakKeyDictionary()
@@ -378,6 +446,64 @@ class Transport:
             self._functions[fn] = payload
         return payload
 
+    def hold(self, copies: list[Mapping]) -> None:
+        """A task in flight now refers to these copies."""
+        with self._lock:
+            for mapping in copies:
+                entry = self._held.setdefault(id(mapping), [mapping, 0, True])
+                entry[1] += 1
+
+    def let_go(self, copies: list[Mapping], released: frozenset[str]) -> None:
+        """A task is done; ``released``: the copies its worker no longer maps.
+
+        A copy that no task holds and every worker released goes to the pool; any other
+        is dropped (and unlinked). A worker that kept a view of its argument (in a
+        global, in its result) keeps the copy out of the pool: its content must never
+        change under that view.
+        """
+        with self._lock:
+            for mapping in copies:
+                entry = self._held.get(id(mapping))
+                if entry is None:
+                    continue
+                entry[1] -= 1
+                entry[2] = entry[2] and mapping.name in released
+                if entry[1] == 0:
+                    del self._held[id(mapping)]
+                    if entry[2] and not os.path.isabs(mapping.name):
+                        self._pool.append((mapping, time.monotonic()))
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop (and so unlink) pooled segments idle too long, or beyond the byte limit."""
+        old = time.monotonic() - _POOL_IDLE_SECONDS
+        self._pool = [(m, t) for m, t in self._pool if t >= old]
+        while sum(len(m) for m, _ in self._pool) > _pool_limit():
+            self._pool.pop(0)
+
+    def take_pooled(self, size: int) -> Mapping | None:
+        """A pooled segment to hold ``size`` new bytes (at most twice as big), if any."""
+        with self._lock:
+            self._trim()
+            fits = [entry for entry in self._pool if size <= len(entry[0]) <= 2 * size]
+            if not fits:
+                return None
+            entry = min(fits, key=lambda e: len(e[0]))
+            self._pool.remove(entry)
+            mapping = entry[0]
+            # its content changes: it no longer holds the bytes it was remembered for
+            self._copies = {k: ref for k, ref in self._copies.items() if ref() is not mapping}
+        return mapping
+
+    def empty_pool(self) -> None:
+        with self._lock:
+            self._pool = []
+
+    def pooled(self) -> list[str]:
+        """Names of the segments in the pool."""
+        with self._lock:
+            return [m.name for m, _ in self._pool]
+
     def reusable_copy(self, raw: memoryview, low: int) -> Mapping | None:
         """A copy in flight of these very bytes, if their content has not changed since."""
         with self._lock:
@@ -385,11 +511,10 @@ class Transport:
         mapping = ref() if ref is not None else None
         if mapping is None:
             return None
-        source = np.frombuffer(raw, np.uint8)
-        copy = np.frombuffer(mapping, np.uint8, raw.nbytes)
-        for i in range(0, raw.nbytes, _COMPARE_CHUNK):
-            if not np.array_equal(source[i : i + _COMPARE_CHUNK], copy[i : i + _COMPARE_CHUNK]):
-                return None
+        if not _same_bytes(low, mapping.address, raw.nbytes):
+            return None
+        with self._lock:  # the same bytes again: out of the pool (if there), as they are
+            self._pool = [entry for entry in self._pool if entry[0] is not mapping]
         return mapping
 
     def remember_copy(self, raw: memoryview, low: int, mapping: Mapping) -> None:
@@ -422,23 +547,43 @@ class Task:
     its large arguments copied, so memory is bounded by the tasks in flight.
     """
 
-    def __init__(self, fn: Callable[..., Any], args: Any, kwargs: Any, transport: Transport):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        transport: Transport,
+        ready: bool = False,
+    ) -> None:
         self.call: tuple[Any, ...] | None = (fn, args, kwargs)
         self.transport = transport
         self.keep: list[Mapping] = []
+        self.copies: list[Mapping] = []
+        # Set once the executor has finished setting up the task's future: the task
+        # cannot reach a worker (and its result the future) before that.
+        self.ready = threading.Event()
+        if ready:
+            self.ready.set()
 
     def __reduce__(self) -> Any:
         if self.call is None:
             raise RuntimeError("this task was already completed")
+        self.ready.wait()
         packed = dumps(self.call, self.transport.options, self.transport)
-        self.keep = packed.keep  # until release(): the worker attaches before it runs
+        self.transport.let_go(self.copies, frozenset())  # a previous reduction's, if any
+        self.keep, self.copies = packed.keep, packed.copies  # until release()
+        self.transport.hold(self.copies)
         sweeper = _tracking.sweeper_address()
         return load_call, (packed.payload, packed.buffers, self.transport.options, sweeper)
 
-    def release(self) -> None:
-        """Drop the call and its segments, as early as the task is done."""
+    def release(self, released: frozenset[str] = frozenset()) -> None:
+        """Drop the call and its segments, as early as the task is done.
+
+        ``released``: the copies the worker no longer maps, which may be reused.
+        """
         self.call = None
-        self.keep = []
+        self.transport.let_go(self.copies, released)
+        self.keep, self.copies = [], []
 
 
 # ---------------------------------------------------------------------------------------
@@ -449,7 +594,10 @@ class Task:
 def load_call(payload: bytes, buffers: list[BufferRef], options: Options, sweeper: bytes) -> Any:
     """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared."""
     _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
-    return _loads(payload, buffers, _tracking.attach_private), options
+    mapped: list[Mapping] = []
+    call = _loads(payload, buffers, _tracking.attach_private, mapped)
+    # A list, so that run() can empty it: loky's call item holds it during the call.
+    return [call, options, [(m.name, weakref.ref(m)) for m in mapped]]
 
 
 # In a worker: functions already unpickled, by their pickle (most recent last).
@@ -471,15 +619,17 @@ def load_function(payload: bytes) -> Any:
 
 def run(call: Any) -> Reply:
     """Run a call in the worker and pack its result for the way back."""
-    (fn, args, kwargs), options = call
-    del call
+    (fn, args, kwargs), options, mapped = call
+    call.clear()
     try:
         result = fn(*args, **kwargs)
     except Exception as exc:
         _raise_picklable(exc)
         raise
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
-    return Reply(dumps(result, options))
+    # The argument copies nothing here maps any more: the parent may reuse them.
+    released = [name for name, ref in mapped if ref() is None]
+    return Reply(dumps(result, options), released)
 
 
 def _raise_picklable(exc: Exception) -> None:
@@ -503,21 +653,22 @@ def run_initializer(parent_pid: int, call: Any) -> None:
         assert call.call is not None
         fn, args, kwargs = call.call
     else:
-        (fn, args, kwargs), _ = call
+        (fn, args, kwargs), _, _ = call
     fn(*args, **kwargs)
 
 
 class Reply:
     """A result on its way back: a small payload and the segments handed to the parent."""
 
-    def __init__(self, packed: Packed) -> None:
+    def __init__(self, packed: Packed, released: list[str]) -> None:
         self.packed = packed
+        self.released = released
 
     def __reduce__(self) -> Any:
-        return load_result, (self.packed.payload, self.packed.buffers)
+        return load_result, (self.packed.payload, self.packed.buffers, self.released)
 
 
-def load_result(payload: bytes, buffers: list[BufferRef]) -> Any:
+def load_result(payload: bytes, buffers: list[BufferRef], released: list[str]) -> Any:
     """Rebuild a result in the parent, adopting (and so unlinking) its segments.
 
     This runs in loky's manager thread, where an exception would break the whole pool
@@ -531,11 +682,19 @@ def load_result(payload: bytes, buffers: list[BufferRef]) -> Any:
             f"come back through files in {os.path.dirname(spilled[0])} instead"
         )
     try:
-        return _loads(payload, buffers, _tracking.adopt_private)
+        return Delivered(_loads(payload, buffers, _tracking.adopt_private), released)
     except Exception as exc:
         for name, *_ in buffers:  # whatever was not adopted yet goes too
             _tracking.forget(name)
         return RebuildFailure(exc)
+
+
+class Delivered:
+    """A rebuilt result, and the argument copies its worker let go of."""
+
+    def __init__(self, value: Any, released: list[str]) -> None:
+        self.value = value
+        self.released = frozenset(released)
 
 
 class RebuildFailure:

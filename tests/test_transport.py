@@ -434,3 +434,19 @@ def test_views_of_a_copied_base_add_no_copy(executor):
 
 def _sum_all(creator, *arrays):
     return [workers.sum_and_segment_bytes(x, creator) for x in arrays]
+
+
+def test_warm_segments_are_reused_but_never_under_a_view_a_worker_kept(start_method, no_leaks):
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        first = np.full(400_000, 1.0)
+        assert ex.submit(workers.keep_and_sum, first).result() == 400_000.0
+        for i in range(2, 6):  # same size: would reuse the first copy if it were pooled
+            assert ex.submit(workers.total, np.full(400_000, float(i))).result() == 400_000 * i
+        assert ex.submit(workers.kept_sums).result() == [10.0]  # what it kept never changed
+        # copies no worker kept are pooled and reused: few segments for many tasks
+        names = set()
+        for i in range(6):
+            future = ex.submit(workers.total, np.full(400_000, float(i)))
+            assert future.result() == 400_000 * i
+            names |= set(ex._transport.pooled())
+        assert 1 <= len(names) <= 3

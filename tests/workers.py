@@ -134,3 +134,16 @@ def hold_nothing(*arrays: Any) -> int:
 
 def environment() -> dict[str, str]:
     return dict(os.environ)
+
+
+_kept: list[Any] = []
+
+
+def keep_and_sum(a: np.ndarray) -> float:
+    """Keeps a view of its argument past the task (as a cache would)."""
+    _kept.append(a[:10])
+    return float(a.sum())
+
+
+def kept_sums() -> list[float]:
+    return [float(k.sum()) for k in _kept]
