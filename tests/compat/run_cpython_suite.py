@@ -37,7 +37,9 @@ Public and private
     ``concurrent.futures`` (``futures.process._RemoteTraceback``): it checks how the
     standard library is built, not how it behaves. Every other test is *public*. Only a
     public test that fails or errors makes the exit status non-zero (1); 2 means the run
-    could not be set up.
+    could not be set up. A private test can hide a public failure behind its private
+    read: ``--alias-private`` gives our class the names ``_broken`` and ``_mp_context``
+    (from loky's equivalents) so that such tests reach their public checks.
 
 Usage::
 
@@ -46,6 +48,7 @@ Usage::
     python tests/compat/run_cpython_suite.py ProcessPoolForkProcessPoolExecutorTest.test_map
     python tests/compat/run_cpython_suite.py --list           # tests and their category
     python tests/compat/run_cpython_suite.py --stdlib         # control run: the stdlib's class
+    python tests/compat/run_cpython_suite.py --alias-private  # do private tests hide failures?
 """
 
 from __future__ import annotations
@@ -215,8 +218,20 @@ def prepare_sources(cache: Path, test_file: Path | None) -> Sources:
 # ---------------------------------------------------------------------------------------
 
 
-def load_suite(overlay: Path, stdlib: bool) -> Any:
-    """Import the suite from ``overlay``; unless ``stdlib``, put our class in its place."""
+# What takes the place of the stdlib's class (``--stdlib``, ``--alias-private``).
+MODES = ("ours", "stdlib", "aliased")
+
+# --alias-private: the stdlib's private names that the private tests read, on a subclass of
+# ours, as loky's equivalents. A diagnostic only: it shows whether a private test would
+# pass but for the name, i.e. whether it hides a failure of public behaviour.
+ALIASES = {
+    "_broken": lambda self: self._flags.broken,
+    "_mp_context": lambda self: self._context,
+}
+
+
+def load_suite(overlay: Path, mode: str) -> Any:
+    """Import the suite from ``overlay``, with our class in place of the stdlib's (``mode``)."""
     if "test" in sys.modules:
         raise SetupError("the package `test` is already imported: the overlay cannot apply")
     sys.path.insert(0, str(overlay))  # spawned workers inherit sys.path, hence `test` too
@@ -229,8 +244,12 @@ def load_suite(overlay: Path, stdlib: bool) -> Any:
     support.verbose = 0  # as regrtest sets it (the module's default is 1)
     module = importlib.import_module(SUITE)
     rewrites = {}
-    if not stdlib:
+    if mode != "stdlib":
         from sharexec import SharedProcessPoolExecutor as executor
+
+        if mode == "aliased":
+            names = {name: property(get) for name, get in ALIASES.items()}
+            executor = type(executor.__name__, (executor,), names)
 
         class FuturesView(types.ModuleType):
             """``concurrent.futures`` as the suite sees it: ``ProcessPoolExecutor`` is ours."""
@@ -339,7 +358,7 @@ def discover(sources: Sources) -> list[dict[str, Any]]:
 def child_discover(overlay: Path) -> None:
     import unittest
 
-    module = load_suite(overlay, stdlib=True)
+    module = load_suite(overlay, "stdlib")
     loader = unittest.TestLoader()
     tests = []
     for name, (method, cls) in process_pool_classes(module).items():
@@ -363,12 +382,12 @@ def child_discover(overlay: Path) -> None:
 
 
 def child_run(
-    overlay: Path, stdlib: bool, events: Path, timeout: float, deadline: float, ids: list[str]
+    overlay: Path, mode: str, events: Path, timeout: float, deadline: float, ids: list[str]
 ) -> None:
     import faulthandler
     import unittest
 
-    module = load_suite(overlay, stdlib)
+    module = load_suite(overlay, mode)
     out = events.open("a", buffering=1)
 
     def emit(**event: Any) -> None:
@@ -514,7 +533,7 @@ def _reap_group(pgid: int) -> list[tuple[int, str]]:
 @dataclass
 class Run:
     sources: Sources
-    stdlib: bool
+    mode: str  # one of MODES
     timeout: float
     deadline: float
     logs: Path
@@ -545,7 +564,8 @@ class Run:
                 str(self.timeout),
                 "--deadline",
                 str(self.deadline),
-                *(["--stdlib"] if self.stdlib else []),
+                "--mode",
+                self.mode,
                 *pending,
             ]
             log_start = log_path.stat().st_size if log_path.exists() else 0
@@ -691,6 +711,8 @@ def summary_table(tests: list[dict[str, Any]], results: dict[str, Outcome]) -> s
 def select(tests: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """The tests that the positional names, -k patterns and --start-method select."""
     chosen = tests
+    if args.only:
+        chosen = [t for t in chosen if bool(t["private"]) == (args.only == "private")]
     if args.start_method:
         chosen = [t for t in chosen if t["start_method"] in args.start_method]
     if args.tests:
@@ -707,10 +729,10 @@ def select(tests: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[s
     return chosen
 
 
-def header(sources: Sources, stdlib: bool) -> list[str]:
+def header(sources: Sources, mode: str) -> list[str]:
     """What is under test, for the top of the report; a SetupError if sharexec is missing."""
     under_test = "concurrent.futures.ProcessPoolExecutor (control run, --stdlib)"
-    if not stdlib:
+    if mode != "stdlib":
         probe = _run(
             [
                 sys.executable,
@@ -722,6 +744,8 @@ def header(sources: Sources, stdlib: bool) -> list[str]:
         if probe.returncode != 0:
             raise SetupError(f"cannot import sharexec with {sys.executable}:\n{probe.stderr}")
         under_test = f"sharexec.SharedProcessPoolExecutor {probe.stdout.strip()}"
+        if mode == "aliased":
+            under_test += f" (--alias-private: {', '.join(ALIASES)} aliased)"
     return [
         f"Python        {sys.version.split()[0]} ({sys.executable})",
         f"suite         {SUITE} from {sources.test_file}",
@@ -749,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         help="only tests whose Class.test_name contains this, or matches it as a glob",
     )
     parser.add_argument("--start-method", action="append", choices=list(MIXINS))
+    parser.add_argument("--only", choices=["public", "private"], help="one kind of test")
     parser.add_argument(
         "--timeout",
         type=float,
@@ -767,11 +792,22 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="a local test_concurrent_futures.py instead of Debian's",
     )
-    parser.add_argument(
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
         "--stdlib",
-        action="store_true",
+        dest="mode",
+        action="store_const",
+        const="stdlib",
         help="control run: the stdlib's ProcessPoolExecutor, not ours",
     )
+    which.add_argument(
+        "--alias-private",
+        dest="mode",
+        action="store_const",
+        const="aliased",
+        help=f"diagnostic: ours, with {' and '.join(ALIASES)} read from loky's equivalents",
+    )
+    which.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--list", action="store_true", help="list the tests and exit")
     parser.add_argument(
         "--tracebacks", action="store_true", help="print the tracebacks of the failures"
@@ -784,19 +820,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.mode = args.mode or "ours"
 
     if args.child_discover:
         child_discover(args.overlay)
         return 0
     if args.child_run:
-        child_run(args.overlay, args.stdlib, args.events, args.timeout, args.deadline, args.tests)
+        child_run(args.overlay, args.mode, args.events, args.timeout, args.deadline, args.tests)
         return 0
 
     started = time.time()
     try:
         sources = prepare_sources(args.cache_dir.resolve(), args.test_file)
         all_tests = discover(sources)
-        top = header(sources, args.stdlib)
+        top = header(sources, args.mode)
     except SetupError as exc:
         print(f"run_cpython_suite: {exc}", file=sys.stderr)
         return 2
@@ -826,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.cache_dir.resolve() / "logs"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
-    run = Run(sources, args.stdlib, args.timeout, started + args.budget, logs)
+    run = Run(sources, args.mode, args.timeout, started + args.budget, logs)
     by_class: dict[str, list[str]] = {}
     for test in tests:
         run.results[test["id"]] = Outcome()
