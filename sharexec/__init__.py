@@ -1,20 +1,30 @@
-"""sharexec: a drop-in ProcessPoolExecutor that moves large NumPy arrays through shared memory."""
+"""sharexec: a drop-in ProcessPoolExecutor that moves large NumPy arrays through shared memory.
 
-from ._arrays import (
-    SharedArray,
-    empty,
-    empty_like,
-    full,
-    full_like,
-    is_shared,
-    ones,
-    ones_like,
-    share,
-    zeros,
-    zeros_like,
-)
-from ._executor import SharedProcessPoolExecutor, Statistics, get_executor
-from .errors import ConfigError, ResultError, SegmentError, SharexecError, SharexecWarning
+The names below are imported on first use (PEP 562): ``import sharexec`` costs almost
+nothing, and the sweeper process, which needs only ``_tracking``, never loads numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._arrays import (
+        SharedArray,
+        empty,
+        empty_like,
+        full,
+        full_like,
+        is_shared,
+        ones,
+        ones_like,
+        share,
+        zeros,
+        zeros_like,
+    )
+    from ._executor import SharedProcessPoolExecutor, Statistics, get_executor
+    from .errors import ConfigError, ResultError, SegmentError, SharexecError, SharexecWarning
 
 __all__ = [
     "ConfigError",
@@ -39,3 +49,24 @@ __all__ = [
 ]
 
 __version__ = "0.1.0.dev0"
+
+# Where each public name lives, e.g. {"zeros": "._arrays"}.
+_HOMES = {
+    **dict.fromkeys(
+        ["ConfigError", "ResultError", "SegmentError", "SharexecError", "SharexecWarning"],
+        ".errors",
+    ),
+    **dict.fromkeys(["SharedProcessPoolExecutor", "Statistics", "get_executor"], "._executor"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'sharexec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES.get(name, "._arrays"), __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "__version__"])

@@ -50,7 +50,8 @@ from loky.process_executor import ShutdownExecutorError, _RecycledWorkerPid, _Sa
 
 from . import _tracking
 from ._config import Options
-from ._reduction import Delivered, RebuildFailure, Task, Transport, run, run_initializer
+from ._reduction import Delivered, RebuildFailure, Task, Transport, run
+from ._worker import run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 

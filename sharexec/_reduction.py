@@ -71,7 +71,6 @@ __all__ = [
     "load_function",
     "load_result",
     "run",
-    "run_initializer",
 ]
 
 # An out-of-band buffer: (segment name, segment size, offset, length),
@@ -642,19 +641,6 @@ def _raise_picklable(exc: Exception) -> None:
             f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent back "
             f"to the parent: {why}\n\nIts traceback in the worker:\n{remote}"
         ) from None
-
-
-def run_initializer(parent_pid: int, call: Any) -> None:
-    """Set up a new worker: it dies with its parent; then the user's initializer, if any."""
-    _tracking.watch_parent(parent_pid)
-    if call is None:
-        return
-    if isinstance(call, Task):  # fork: the task was inherited, not pickled
-        assert call.call is not None
-        fn, args, kwargs = call.call
-    else:
-        (fn, args, kwargs), _, _ = call
-    fn(*args, **kwargs)
 
 
 class Reply:
