@@ -44,13 +44,14 @@ import time
 import traceback
 import types
 import weakref
-from collections import Counter, OrderedDict
+from collections import ChainMap, Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 import numpy as np
+from loky.backend import reduction as loky_reduction
 
 from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
@@ -331,6 +332,15 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     # reducer_override sees every object and wins over the exact-type dispatch_table;
     # whatever is not an array must fall through to cloudpickle's own override, or
     # functions and classes defined in __main__ stop pickling by value.
+    #
+    # The dispatch table is the one loky's own pickler uses (loky's reducers first:
+    # bound methods by reference, sockets and multiprocessing connections through the
+    # process being spawned, partials; then cloudpickle's and copyreg's): an object
+    # pickles inside our payload exactly as it would have in loky's.
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        loky_reduction._dispatch_table, cloudpickle.Pickler.dispatch_table
+    )
+
     def __init__(self, file: io.BytesIO, state: Pass) -> None:
         super().__init__(file, protocol=5, buffer_callback=state.take_buffer)
         self._state = state

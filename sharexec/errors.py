@@ -7,6 +7,8 @@ already catch: a failing segment is an :class:`OSError`, a bad option a
 
 from __future__ import annotations
 
+from concurrent.futures.process import BrokenProcessPool
+
 __all__ = ["ConfigError", "ResultError", "SegmentError", "SharexecError", "SharexecWarning"]
 
 
@@ -18,9 +20,13 @@ class SegmentError(SharexecError, OSError):
     """A shared-memory segment could not be created, sized or attached."""
 
 
-class ResultError(SharexecError):
+class ResultError(SharexecError, BrokenProcessPool):
     """A task ran, but its result could not be rebuilt in the parent process (its
-    ``__cause__`` says why). Only that task's future fails; the executor goes on."""
+    ``__cause__`` says why). Only that task's future fails; the executor goes on.
+
+    Also a :class:`~concurrent.futures.process.BrokenProcessPool`, what the standard
+    library raises there (it breaks the whole pool): code written for it still catches
+    this."""
 
 
 class ConfigError(SharexecError, ValueError):
