@@ -98,3 +98,63 @@ def compat(session: nox.Session) -> None:
     """
     session.install(".")
     session.run("python", "tests/compat/run_cpython_suite.py", *session.posargs)
+
+
+# The fault suite of issue 4: what docs/reliability.md reports.
+FAULT_TESTS = [
+    "tests/test_faults.py",
+    "tests/test_stress.py",
+    "tests/test_errors.py",
+    "tests/test_roundtrip.py",
+]
+
+
+@nox.session(default=False)
+def faults(session: nox.Session) -> None:
+    """Run the fault suite and print its table; fails unless every count is zero.
+
+    ``tests/test_faults.py``, ``test_stress.py``, ``test_errors.py`` and
+    ``test_roundtrip.py``, slow tests included (the >4 GiB round trip: several GB of
+    memory and minutes). ``tests/faults_plugin.py`` records each test's outcome;
+    ``tests/faults_report.py`` prints the table (scenario, runs, segments leaked,
+    crashes, wrong results), also written to ``.nox/faults/tmp/faults.md``. As root with
+    ``unshare``, pytest runs with a /dev/shm of its own (a private mount namespace), so
+    that segments of other programs on the machine never count as leaks. Not a default
+    session; e.g. ``nox -s faults -- -k "stress or sigkill"``.
+    """
+    import datetime
+    import os
+    import shutil
+    import time
+
+    session.install(".[test]")
+    tmp = Path(session.create_tmp())
+    report = tmp / "faults.jsonl"
+    report.unlink(missing_ok=True)
+    command = ["python", "-m", "pytest", "-m", "", *FAULT_TESTS, *session.posargs]
+    private_shm = os.geteuid() == 0 and shutil.which("unshare") is not None
+    if private_shm:
+        mount = 'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$0" "$@"'
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, *command]
+    load_before, started = os.getloadavg()[0], time.monotonic()
+    session.run(
+        *command,
+        env={"SHAREXEC_FAULTS_REPORT": str(report)},
+        success_codes=list(range(6)),  # the report judges; pytest's status is in it
+        external=True,
+    )
+    minutes = (time.monotonic() - started) / 60
+    title = (
+        f"{datetime.date.today()}, {len(os.sched_getaffinity(0))} CPUs, load average "
+        f"{load_before:.1f} before and {os.getloadavg()[0]:.1f} after, {minutes:.1f} min, "
+        f"{'a private' if private_shm else 'the shared'} /dev/shm"
+    )
+    session.run(
+        "python",
+        "tests/faults_report.py",
+        str(report),
+        "--output",
+        str(tmp / "faults.md"),
+        "--title",
+        title,
+    )

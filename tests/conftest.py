@@ -7,12 +7,18 @@ import multiprocessing
 import os
 from collections.abc import Iterator
 
+import faults_plugin
 import pytest
 
 import sharexec
 from sharexec import _segments
 
 START_METHODS = ["spawn", "fork", "forkserver", "loky"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    faults_plugin.register(config)  # only with SHAREXEC_FAULTS_REPORT set (nox -s faults)
+
 
 # Helper processes that outlive a pool by design (one of each per test session).
 _HELPERS = ("resource_tracker", "forkserver import main", "sweeper_main")
@@ -86,9 +92,16 @@ def no_leaks() -> Iterator[None]:
     before = segments_now()
     yield
     gc.collect()
-    left = segments_now() - before
-    assert not left, f"segments left behind: {sorted(left)}"
+    assert_none_left(segments_now() - before)
+    if workers_left():
+        faults_plugin.crashed("processes left behind")
     assert not workers_left(), f"processes left behind: {workers_left()}"
+
+
+def assert_none_left(left: set[str]) -> None:
+    """Fails if segments were left; the fault report (nox -s faults) counts them."""
+    faults_plugin.leaked(left)
+    assert not left, f"segments left behind: {sorted(left)}"
 
 
 @pytest.fixture
@@ -99,4 +112,6 @@ def executor(start_method: str, no_leaks: None) -> Iterator[sharexec.SharedProce
         yield ex
     finally:
         ex.shutdown(wait=True)
+        if ex._flags.broken is not None:
+            faults_plugin.crashed("the pool was broken")
         assert ex._flags.broken is None, "the pool was broken"

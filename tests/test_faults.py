@@ -7,6 +7,7 @@ processes is alive.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import select
@@ -17,8 +18,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import faults_plugin
 import pytest
-from conftest import descendants, segments_now
+from conftest import assert_none_left, descendants, segments_now
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,10 +96,20 @@ def run_scenario(tmp_path: Path, body: str, method: str, **kwargs):
 def finish(proc: subprocess.Popen, expect_rc: int | None = 0) -> str:
     out, err = proc.communicate(timeout=100)
     if expect_rc is not None:
+        exited(proc.returncode, expect_rc)
         assert proc.returncode == expect_rc, err
     sweeper = [int(line.split()[1]) for line in out.splitlines() if line.startswith("sweeper")]
-    assert not wait_exit([p for p in sweeper if p], 15), "the sweeper did not finish"
+    still = wait_exit([p for p in sweeper if p], 15)
+    if still:
+        faults_plugin.crashed("the sweeper did not finish")
+    assert not still, "the sweeper did not finish"
     return out
+
+
+def exited(returncode: int, expected: int = 0) -> None:
+    """Note a scenario that exited otherwise than expected (a crash, for nox -s faults)."""
+    if returncode != expected:
+        faults_plugin.crashed(f"the scenario exited with {returncode}")
 
 
 def family(proc: subprocess.Popen) -> list[int]:
@@ -128,7 +140,7 @@ def test_task_raises(start_method, tmp_path):
     )
     out = finish(proc)
     assert "raised" in out
-    assert not left_by(proc)
+    assert_none_left(left_by(proc))
 
 
 @pytest.mark.parametrize(
@@ -165,7 +177,7 @@ def test_worker_dies_mid_task(start_method, tmp_path, death):
     )
     out = finish(proc)
     assert "broken True" in out
-    assert not left_by(proc)
+    assert_none_left(left_by(proc))
 
 
 def test_ctrl_c_in_map(start_method, tmp_path):
@@ -199,7 +211,7 @@ def test_ctrl_c_in_map(start_method, tmp_path):
         drain(tmp_path, proc)
     out = finish(proc)
     assert "interrupted" in out
-    assert not left_by(proc)
+    assert_none_left(left_by(proc))
 
 
 def drain(tmp_path: Path, proc: subprocess.Popen) -> None:
@@ -250,8 +262,11 @@ def test_parent_killed_with_tasks_in_flight(start_method, tmp_path):
     proc.kill()
     proc.wait(10)
     # within 5 s: every worker has exited (none runs the queue), everything is swept
-    assert not wait_exit(kin, 5.0), "processes outlived the parent by 5 s"
-    assert not left_by(proc)
+    outlived = wait_exit(kin, 5.0)
+    if outlived:
+        faults_plugin.crashed("processes outlived the parent by 5 s")
+    assert not outlived, "processes outlived the parent by 5 s"
+    assert_none_left(left_by(proc))
     proc.stdout.close()
     proc.stderr.close()
 
@@ -282,7 +297,7 @@ def test_max_tasks_per_child_recycling_under_load(start_method, tmp_path):
     )
     out = finish(proc)
     assert "exact True" in out
-    assert not left_by(proc)
+    assert_none_left(left_by(proc))
 
 
 # ---------------------------------------------------------------------------------------
@@ -317,7 +332,7 @@ if __name__ == "__main__":
     import gc; gc.collect()
     print("exact", exact)
     print("warnings", sum(issubclass(w.category, sharexec.SharexecWarning) for w in caught))
-    print("left", len(_segments.listdir()))
+    print("left", _segments.listdir())
 """
 
 
@@ -346,6 +361,13 @@ def in_small_shm(tmp_path: Path, script: str, method: str, extra_mount: str = ""
     )
 
 
+def left_in(stdout: str) -> set[str]:
+    """The segments a small-/dev/shm scenario found left in its own /dev/shm."""
+    lines = [line for line in stdout.splitlines() if line.startswith("left ")]
+    assert lines, stdout
+    return set(ast.literal_eval(lines[-1].removeprefix("left ")))
+
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
     reason="mounting a small tmpfs in a private namespace needs root and unshare",
@@ -356,11 +378,12 @@ needs_root = pytest.mark.skipif(
 def test_small_dev_shm_spills_to_disk(start_method, tmp_path):
     (tmp_path / "spill").mkdir()
     out = in_small_shm(tmp_path, SMALL_SHM, start_method, "true &&")
+    exited(out.returncode)
     assert out.returncode == 0, out.stderr
     assert "exact True" in out.stdout
     assert "warnings 1" in out.stdout, out.stdout  # one warning, however many fallbacks
-    assert "left 0" in out.stdout
-    assert not list((tmp_path / "spill").iterdir()), "spill folder left behind"
+    assert_none_left(left_in(out.stdout))
+    assert_none_left({str(p) for p in (tmp_path / "spill").iterdir()})  # spill files
 
 
 @needs_root
@@ -372,7 +395,8 @@ def test_no_room_anywhere_falls_back_to_pickling(start_method, tmp_path):
     )
     tiny = f"mount -t tmpfs -o size=1m tmpfs {tmp_path / 'spill'} &&"
     out = in_small_shm(tmp_path, script, start_method, tiny)
+    exited(out.returncode)
     assert out.returncode == 0, out.stderr
     assert "exact True" in out.stdout
     assert "warnings 1" in out.stdout, out.stdout
-    assert "left 0" in out.stdout
+    assert_none_left(left_in(out.stdout))
