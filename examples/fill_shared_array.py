@@ -1,4 +1,8 @@
-"""Fill one big array from many workers, each writing its own slice in place.
+"""
+Fill one array from many workers
+================================
+
+Each worker writes its own slice of one big array, in place.
 
 The classic question: with ``ProcessPoolExecutor`` each worker would get a copy of its
 slice and its writes would be lost. Allocated with ``sharexec.zeros``, the slices are

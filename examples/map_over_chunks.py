@@ -1,4 +1,8 @@
-"""``executor.map`` over the chunks of a large private array, and a large result back.
+"""
+Map over the chunks of a large array
+====================================
+
+``executor.map`` over the chunks of a large private array, and a large result back.
 
 Each chunk is copied once into shared memory (no pickling through the pipe) and seen by
 its worker as a zero-copy view; the big result comes back through shared memory too.

@@ -1,0 +1,104 @@
+"""The documentation's sources agree with the code, checked without building the site.
+
+The API reference (``docs/api.rst``) lists exactly the names of ``sharexec.__all__``, each
+once; every page named in a toctree exists; every example has the title sphinx-gallery
+needs. ``nox -s docs`` builds the site itself, with warnings as errors.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import sharexec
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+# Made by the build (sphinx-gallery), so not in the source tree.
+GENERATED = {"auto_examples/index"}
+
+
+def directive_bodies(text: str, directive: str) -> list[list[str]]:
+    """The content lines of each ``.. directive::`` block of reST, options left out."""
+    blocks: list[list[str]] = []
+    body: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith(f".. {directive}::"):
+            body = []
+            blocks.append(body)
+        elif body is not None and line and not line[0].isspace():
+            body = None  # the block ended at the first unindented line
+        elif body is not None and line.strip() and not line.strip().startswith(":"):
+            body.append(line.strip())
+    return blocks
+
+
+def reference_names() -> list[str]:
+    """The names the API reference lists, in its order."""
+    text = (DOCS / "api.rst").read_text(encoding="utf-8")
+    assert re.search(r"^\.\. currentmodule:: sharexec$", text, re.MULTILINE)
+    return [
+        entry.split()[0].lstrip("~")
+        for body in directive_bodies(text, "autosummary")
+        for entry in body
+    ]
+
+
+def test_reference_lists_exactly_the_public_names():
+    listed = reference_names()
+    missing = sorted(set(sharexec.__all__) - set(listed))
+    extra = sorted(set(listed) - set(sharexec.__all__))
+    assert not missing, f"in sharexec.__all__ but not in docs/api.rst: {missing}"
+    assert not extra, f"in docs/api.rst but not in sharexec.__all__: {extra}"
+
+
+def test_reference_lists_each_name_once():
+    listed = reference_names()
+    assert len(listed) == len(set(listed)), sorted({n for n in listed if listed.count(n) > 1})
+
+
+def test_directive_parser():
+    text = (
+        "Title\n=====\n\n.. autosummary::\n   :toctree: generated/\n\n   a\n   ~b\n\n"
+        "Next\n----\n\n.. autosummary::\n\n   c\n\nprose\n   indented prose\n"
+    )
+    assert directive_bodies(text, "autosummary") == [["a", "~b"], ["c"]]
+
+
+def toctree_entries(page: Path) -> list[str]:
+    """The documents named in the MyST toctrees of a Markdown page, relative to docs/."""
+    entries = []
+    for block in re.findall(r"^```\{toctree\}\n(.*?)^```", page.read_text(), re.S | re.M):
+        for line in block.splitlines():
+            line = line.strip()
+            if line and not line.startswith(":"):
+                parent = page.parent.relative_to(DOCS)
+                entries.append((parent / line).as_posix())
+    return entries
+
+
+@pytest.mark.parametrize("page", ["index.md", "migration/index.md"])
+def test_toctree_pages_exist(page):
+    entries = toctree_entries(DOCS / page)
+    assert entries
+    for entry in entries:
+        if entry in GENERATED:
+            continue
+        sources = [DOCS / f"{entry}{suffix}" for suffix in (".md", ".rst")]
+        assert any(p.is_file() for p in sources), f"{page} names {entry}, which has no source"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_has_a_gallery_title(path):
+    # sphinx-gallery makes each example a page titled by its docstring's reST heading.
+    docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    assert docstring, f"{path.name} has no docstring"
+    title, _, underline = docstring.partition("\n\n")[0].partition("\n")
+    assert title.strip() and re.fullmatch(r"=+", underline.strip()), (
+        f"{path.name}: the docstring must open with a title underlined with '='"
+    )
+    assert len(underline.strip()) >= len(title.strip()), f"{path.name}: underline too short"
