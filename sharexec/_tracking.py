@@ -28,6 +28,7 @@ import select
 import selectors
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -417,6 +418,9 @@ def sweeper_main() -> None:
         for key, _ in ready:
             if key.data == "listen":
                 conn, _ = listener.accept()
+                if _peer_uid(conn) != os.getuid():  # anyone may connect; only we are heard
+                    conn.close()
+                    continue
                 events.register(conn, selectors.EVENT_READ, conn)
                 owned[conn] = set()
                 continue
@@ -450,6 +454,15 @@ def sweeper_main() -> None:
         if deadline and len(owned) == 0:
             break
     _sweep(set().union(*owned.values()))
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (-1 if unknown)."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return -1
+    return int(struct.unpack("3i", creds)[1])
 
 
 def _sweep(names: set[str]) -> list[str]:

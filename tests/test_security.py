@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -296,7 +297,8 @@ def _connect_as_nobody_and_claim(address: bytes, path: str) -> int:
             os.setuid(65534)
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(address)
-            conn.sendall(f"R {path}\n".encode())
+            with contextlib.suppress(OSError):  # a sweeper hanging up on strangers: fine
+                conn.sendall(f"R {path}\n".encode())
             conn.close()
             code = 0
         finally:
@@ -305,14 +307,6 @@ def _connect_as_nobody_and_claim(address: bytes, path: str) -> int:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing user needs root")
-@pytest.mark.xfail(
-    strict=True,
-    reason="sharexec bug: the sweeper obeys any local user. Its abstract address is listed "
-    "in /proc/net/unix for everyone, abstract sockets have no permissions, and "
-    "_tracking.sweeper_main accepts every connection without checking the peer's "
-    "credentials (SO_PEERCRED); it then unlinks, as its owner, any path whose basename "
-    "starts with 'sharexec-' that the peer claimed ('R <path>') before disconnecting.",
-)
 def test_sweeper_ignores_other_users(no_leaks, tmp_path):
     address = _tracking.sweeper_address()
     assert "@" + address[1:].decode() in unix_sockets().values()  # anyone can read it
