@@ -83,6 +83,21 @@ html_static_path = ["_static"]
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
+    "header_links_before_dropdown": 8,
+    "navbar_persistent": ["search-button"],  # an icon: all eight links fit in one row
     "secondary_sidebar_items": ["page-toc"],
+}
+# No left sidebar on pages that have no subpages to list in it.
+html_sidebars = {
+    page: []
+    for page in (
+        "index",
+        "getting-started",
+        "how-it-works",
+        "performance",
+        "reliability",
+        "design",
+        "api",
+    )
 }
 html_show_sourcelink = False

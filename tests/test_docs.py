@@ -70,14 +70,19 @@ def test_directive_parser():
 
 
 def toctree_entries(page: Path) -> list[str]:
-    """The documents named in the MyST toctrees of a Markdown page, relative to docs/."""
+    """The documents named in the MyST toctrees of a Markdown page, relative to docs/.
+
+    An entry is a document's name, or a title with the name in angle brackets.
+    """
     entries = []
     for block in re.findall(r"^```\{toctree\}\n(.*?)^```", page.read_text(), re.S | re.M):
         for line in block.splitlines():
             line = line.strip()
             if line and not line.startswith(":"):
+                target = re.fullmatch(r"(?:.*<(.+)>|(.+))", line)
+                assert target
                 parent = page.parent.relative_to(DOCS)
-                entries.append((parent / line).as_posix())
+                entries.append((parent / (target[1] or target[2])).as_posix())
     return entries
 
 
