@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             skipped[r["scenario"]] = (count + 1, r["skipped"])
     if skipped:
         out += ["", "Not run:"]
-        out += [f"- `{s}` ({n} runs): {why}" for s, (n, why) in skipped.items()]
+        for scenario, (n, why) in skipped.items():
+            out.append(f"- `{scenario}` ({n} run{'s' if n != 1 else ''}): {why}")
     failures = [r for r in records if r.get("leaked") or r.get("crash") or r.get("wrong")]
     if failures:
         out += ["", "Failures:"]

@@ -10,7 +10,10 @@
   worker while it packs the result), a shared array a worker made and returned.
 * Fallback files are 0600 in folders of mode 0700 (a real 1 MB /dev/shm in a private
   mount namespace; root only, as tests/test_faults.py does).
-* The sweeper listens in the abstract socket namespace: no file in the file system.
+* The sweeper listens in the abstract socket namespace: no file in the file system. Any
+  local user can read its address in /proc/net/unix and connect (abstract sockets have
+  no permissions), so it hears only processes of its own user (root only: the test
+  connects as user nobody and asks it to unlink a file).
 """
 
 from __future__ import annotations
