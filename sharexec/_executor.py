@@ -136,8 +136,11 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         the standard library, it needs a start method other than ``fork``, and defaults
         to ``spawn`` when ``mp_context`` is not given.
     **options
-        sharexec options (see :class:`sharexec._config.Options`), e.g.
-        ``min_share_bytes``. An unknown option is a :class:`~sharexec.ConfigError`.
+        sharexec options: ``min_share_bytes`` (buffers at least this large go through
+        shared memory; default 256 KiB, or ``SHAREXEC_MIN_SHARE_BYTES``) and
+        ``temp_folder`` (where segments spill when shared memory is full; default the
+        system's temporary folder, or ``SHAREXEC_TEMP_FOLDER``). An unknown option is a
+        :class:`~sharexec.ConfigError`.
     """
 
     _worker_env: dict[str, str] | None = None  # the workers' environment (loky's method)
