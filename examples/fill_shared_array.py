@@ -8,11 +8,12 @@ The classic question: with ``ProcessPoolExecutor`` each worker would get a copy 
 slice and its writes would be lost. Allocated with ``sharexec.zeros``, the slices are
 views of shared memory: workers write into them and the parent sees every write.
 
-Run: ``python examples/fill_shared_array.py``.
+Run: ``python examples/fill_shared_array.py`` (``--fast``: a small array).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import numpy as np
@@ -38,4 +39,9 @@ def main(rows: int = 4096, cols: int = 4096, tasks: int = 16) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description="Fill one array from many workers.")
+    parser.add_argument("--fast", action="store_true", help="a small array (as the tests run)")
+    if parser.parse_args().fast:
+        main(rows=512, cols=1024, tasks=4)
+    else:
+        main()

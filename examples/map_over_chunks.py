@@ -7,10 +7,12 @@ Map over the chunks of a large array
 Each chunk is copied once into shared memory (no pickling through the pipe) and seen by
 its worker as a zero-copy view; the big result comes back through shared memory too.
 
-Run: ``python examples/map_over_chunks.py``.
+Run: ``python examples/map_over_chunks.py`` (``--fast``: a small array).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 
@@ -32,4 +34,9 @@ def main(n: int = 25_000_000) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description="Map over the chunks of a large array.")
+    parser.add_argument("--fast", action="store_true", help="a small array (as the tests run)")
+    if parser.parse_args().fast:
+        main(n=2_000_000)
+    else:
+        main()
