@@ -216,12 +216,13 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         self._transport.counts["tasks_submitted"] += 1
         try:
             future: Future[T] = super().submit(run, task)
+            future.__class__ = _Future  # still loky's Future; unwraps what load_result made
         except ShutdownExecutorError as exc:
             raise RuntimeError(str(exc)) from None  # the stdlib's plain RuntimeError
-        try:
-            future.__class__ = _Future  # still loky's Future; unwraps what load_result made
         finally:
-            task.ready.set()  # only now may the feeder send it: set_result comes after
+            # Only now may the feeder send it (so set_result comes after the swap); and
+            # always, even if loky raised after queueing it: the feeder must never wait.
+            task.ready.set()
         # The first callback, before any of the user's: the call's segments are released
         # (no reference to the executor here, so that a future never keeps it alive).
         future.add_done_callback(partial(_finished, task))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
 import logging
 import os
 import select
@@ -315,23 +316,38 @@ _channel: socket.socket | int | None = None
 _channel_pid = 0  # the process that opened _channel (a forked child opens its own)
 # The sweeper's socket address (Linux abstract namespace), e.g. b"\0sharexec-Zm9vYmFy".
 _address: bytes | None = None
-_channel_lock = threading.Lock()
+_channel_lock = threading.RLock()
+_outbox: list[bytes] = []  # lines not sent yet, e.g. [b"R sharexec-41-Zm9v\n"]
+_sending = False  # a _tell is sending (in the thread holding _channel_lock)
 _sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
 _WAIT_FOR_MEMBERS = 10.0  # seconds the sweeper waits for workers after the root died
 
 
 def _tell(op: str, name: str) -> None:
-    """Tell the sweeper about a segment, starting or joining one first if needed."""
-    line = f"{op} {name}\n".encode()
+    """Tell the sweeper about a segment, starting or joining one first if needed.
+
+    Re-entrant: the garbage collector may run a segment's finalizer (which tells the
+    sweeper) in the middle of this very function; that message is queued and sent by
+    the outer call, never waited for (a plain lock would deadlock the thread).
+    """
+    global _sending
     with _channel_lock:
-        channel = _open_channel()
+        _outbox.append(f"{op} {name}\n".encode())
+        if _sending:
+            return
+        _sending = True
         try:
-            if isinstance(channel, socket.socket):
-                channel.sendall(line)
-            else:
-                os.write(channel, line)
-        except OSError:  # the sweeper is gone: nothing left to tell
-            pass
+            while _outbox:
+                channel = _open_channel()
+                data = b"".join(_outbox)
+                _outbox.clear()
+                with contextlib.suppress(OSError):  # the sweeper is gone: nothing to tell
+                    if isinstance(channel, socket.socket):
+                        channel.sendall(data)
+                    else:
+                        os.write(channel, data)
+        finally:
+            _sending = False
 
 
 def _open_channel() -> socket.socket | int:

@@ -336,11 +336,18 @@ if __name__ == "__main__":
 """
 
 
-def in_small_shm(tmp_path: Path, script: str, method: str, extra_mount: str = ""):
-    """Run ``script`` in a private mount namespace whose /dev/shm is a 64 MB tmpfs."""
+def in_small_shm(
+    tmp_path: Path,
+    script: str,
+    method: str,
+    extra_mount: str = "",
+    size: str = "64m",
+    spill: Path | None = None,
+):
+    """Run ``script`` in a private mount namespace whose /dev/shm is a small tmpfs."""
     path = tmp_path / "scenario.py"
     path.write_text(PRELUDE + textwrap.dedent(script))
-    setup = f"mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && {extra_mount}"
+    setup = f"mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && {extra_mount}"
     return subprocess.run(
         [
             "unshare",
@@ -357,7 +364,7 @@ def in_small_shm(tmp_path: Path, script: str, method: str, extra_mount: str = ""
         capture_output=True,
         text=True,
         timeout=110,
-        env={**os.environ, "SHAREXEC_TEMP_FOLDER": str(tmp_path / "spill")},
+        env={**os.environ, "SHAREXEC_TEMP_FOLDER": str(spill or tmp_path / "spill")},
     )
 
 

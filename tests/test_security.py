@@ -24,16 +24,13 @@ import random
 import re
 import socket
 import stat
-import subprocess
-import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from test_faults import PRELUDE, needs_root
+from test_faults import in_small_shm, needs_root
 
 import sharexec
 from sharexec import _segments, _tracking
@@ -230,26 +227,7 @@ def test_fallback_files_are_0600_in_folders_0700(start_method, tmp_path):
     spill = tmp_path / "spill"
     spill.mkdir()
     spill.chmod(0o777)  # the folder sharexec makes inside must be private all the same
-    script = tmp_path / "scenario.py"
-    script.write_text(PRELUDE + textwrap.dedent(FALLBACK))
-    out = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            'mount -t tmpfs -o size=1m,mode=1777 tmpfs /dev/shm && exec "$0" "$@"',
-            sys.executable,
-            str(script),
-            start_method,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env={**os.environ, "SHAREXEC_TEMP_FOLDER": str(spill)},
-    )
+    out = in_small_shm(tmp_path, FALLBACK, start_method, size="1m", spill=spill)
     assert out.returncode == 0, out.stderr
     assert "api True 0o600 0o700" in out.stdout, out.stdout
     assert "argument True 0o600 0o700" in out.stdout, out.stdout
