@@ -18,7 +18,8 @@ The two directions are deliberately asymmetric (see :class:`Pass`):
 * forward (parent → worker): copies are owned by the parent and live while a task in
   flight refers to them; the worker maps them copy-on-write, so its writes stay private.
   A copy still in flight is reused for the same, unchanged bytes (compared first, never
-  trusted blindly), so submitting one array many times holds one copy.
+  trusted blindly), so submitting one array many times holds one copy. A copy no task
+  holds and no worker maps any more goes to a pool of warm segments for the next copies.
 * backward (worker → parent): the worker copies a large result into a fresh segment and
   hands its ownership to the parent, which maps it and unlinks it at once: the result is
   an ordinary private array that nothing can leak. Shared arrays the worker allocated go
@@ -430,6 +431,7 @@ class Transport:
         # faster than into fresh shared pages). Oldest first, with the time each came
         # in, e.g. [(<Mapping>, 5012.5)]; bounded in bytes and in age (_trim).
         self._pool: list[tuple[Mapping, float]] = []
+        self._pool_limit = _pool_limit()  # once: the size of shared memory does not change
         # Functions pickled once, e.g. {<function f>: b"\x80\x05…"}; None: not cacheable.
         self._functions: weakref.WeakKeyDictionary[Callable[..., Any], bytes | None] = (
             weakref.WeakKeyDictionary()
@@ -487,7 +489,7 @@ class Transport:
         """Drop (and so unlink) pooled segments idle too long, or beyond the byte limit."""
         old = time.monotonic() - _POOL_IDLE_SECONDS
         self._pool = [(m, t) for m, t in self._pool if t >= old]
-        while sum(len(m) for m, _ in self._pool) > _pool_limit():
+        while sum(len(m) for m, _ in self._pool) > self._pool_limit:
             self._pool.pop(0)
 
     def take_pooled(self, size: int) -> Mapping | None:
@@ -501,7 +503,9 @@ class Transport:
             self._pool.remove(entry)
             mapping = entry[0]
             # its content changes: it no longer holds the bytes it was remembered for
-            self._copies = {k: ref for k, ref in self._copies.items() if ref() is not mapping}
+            source = mapping.source
+            if source is not None and (ref := self._copies.get(source)) and ref() is mapping:
+                del self._copies[source]
         return mapping
 
     def empty_pool(self) -> None:
@@ -527,7 +531,7 @@ class Transport:
         return mapping
 
     def remember_copy(self, raw: memoryview, low: int, mapping: Mapping) -> None:
-        key = (low, raw.nbytes)
+        key = mapping.source = (low, raw.nbytes)
 
         def forget(ref: weakref.ref[Mapping]) -> None:
             with self._lock:

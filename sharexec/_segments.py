@@ -50,6 +50,7 @@ class Mapping(mmap.mmap):
     name: str
     address: int
     owner: object  # what must outlive this mapping, e.g. the tracking handle that unlinks
+    source: tuple[int, int] | None  # a copy: the (address, length) of the bytes it holds
 
 
 def _check_platform() -> None:
@@ -72,6 +73,7 @@ def _map(fd: int, name: str, size: int, private: bool) -> Mapping:
     mapping.address = ctypes.addressof(probe)
     del probe  # releases the buffer export, so the mapping can be closed later
     mapping.owner = None
+    mapping.source = None
     return mapping
 
 

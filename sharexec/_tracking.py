@@ -71,11 +71,10 @@ logger = logging.getLogger("sharexec")
 class Segment:
     """A segment this process must unlink; it is unlinked when this handle is collected."""
 
-    __slots__ = ("__weakref__", "_finalizer", "name", "pid", "size")
+    __slots__ = ("__weakref__", "_finalizer", "name", "pid")
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
-        self.size = size
         self.pid = os.getpid()
         self._finalizer = weakref.finalize(self, _unlink, name, self.pid)
         _live[name] = size
