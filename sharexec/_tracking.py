@@ -209,15 +209,21 @@ _by_name: weakref.WeakValueDictionary[str, Mapping] = weakref.WeakValueDictionar
 def _register(mapping: Mapping) -> Mapping:
     start = mapping.address
     with _lock:
-        bisect.insort(_starts, start)
-        _by_start[start] = weakref.ref(mapping, partial(_forget, start))
+        if start not in _by_start:  # starts stay unique, even if a callback is late
+            bisect.insort(_starts, start)
+        ref = weakref.ref(mapping, partial(_forget, start))
+        _by_start[start] = ref
         _by_name[mapping.name] = mapping
     return mapping
 
 
-def _forget(start: int, _: object = None) -> None:
+def _forget(start: int, ref: weakref.ref[Mapping]) -> None:
+    # Only the entry this weakref made: a mapping since registered at the same address
+    # (a new mmap may reuse the address) keeps its entry.
     with _lock:
-        _by_start.pop(start, None)
+        if _by_start.get(start) is not ref:
+            return
+        del _by_start[start]
         i = bisect.bisect_left(_starts, start)
         if i < len(_starts) and _starts[i] == start:
             del _starts[i]
@@ -231,7 +237,9 @@ def find_shared(low: int, high: int) -> tuple[Mapping, int] | None:
         i = bisect.bisect_right(_starts, low) - 1
         if i < 0:
             return None
-        mapping = _by_start[_starts[i]]()
+        # .get: the garbage collector may run a _forget (re-entrant lock) at any point
+        ref = _by_start.get(_starts[i])
+        mapping = ref() if ref is not None else None
     if mapping is None or high > mapping.address + len(mapping):
         return None
     return mapping, low - mapping.address
