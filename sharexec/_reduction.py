@@ -17,9 +17,12 @@ The two directions are deliberately asymmetric (see :class:`Pass`):
 
 * forward (parent → worker): copies are owned by the parent and live while a task in
   flight refers to them; the worker maps them copy-on-write, so its writes stay private.
-  A copy still in flight is reused for the same, unchanged bytes (compared first, never
-  trusted blindly), so submitting one array many times holds one copy. A copy no task
-  holds and no worker maps any more goes to a pool of warm segments for the next copies.
+  A copy still in flight is reused for the same bytes, so submitting one array many
+  times holds one copy. It is reused as it is by a task submitted before the copy was
+  made (the stdlib would pickle that task later still: any moment between submit and
+  dispatch is the task's), and after comparing the bytes for any later task: a changed
+  array never reuses a stale copy. A copy no task holds and no worker maps any more goes
+  to a pool of warm segments for the next copies.
 * backward (worker → parent): the worker copies a large result into a fresh segment and
   hands its ownership to the parent, which maps it and unlinks it at once: the result is
   an ordinary private array that nothing can leak. Shared arrays the worker allocated go
@@ -48,6 +51,7 @@ import weakref
 from collections import ChainMap, Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any, ClassVar
 
 import cloudpickle
@@ -185,8 +189,13 @@ class Pass:
     """The state of one pickling pass: the buffers it took out of band, and why."""
 
     def __init__(
-        self, options: Options, transport: Transport | None, cache_functions: bool = True
+        self,
+        options: Options,
+        transport: Transport | None,
+        cache_functions: bool = True,
+        task: int | None = None,
     ) -> None:
+        self.task = task  # the number of the task being sent, if this pass sends one
         self.min_share_bytes = options.min_share_bytes
         self.spill_to = options.temp_folder or tempfile.gettempdir()
         self.transport = transport  # None: the backward pass of a worker
@@ -315,17 +324,18 @@ class Pass:
 
     def _copy(self, raw: memoryview, low: int) -> Mapping | None:
         if self.transport is not None:
-            reused = self.transport.reusable_copy(raw, low)
+            reused = self.transport.reusable_copy(raw, low, self.task)
             if reused is not None:
                 self._count("bytes_reused", raw.nbytes)
                 return reused
+            made = self.transport.number()  # tasks numbered below came before this copy
         mapping = self._new_copy(raw.nbytes)
         if mapping is None:
             return None
         self._count("bytes_copied", raw.nbytes)
         np.frombuffer(mapping, np.uint8, raw.nbytes)[:] = np.frombuffer(raw, np.uint8)
         if self.transport is not None:
-            self.transport.remember_copy(raw, low, mapping)
+            self.transport.remember_copy(raw, low, mapping, made)
         return mapping
 
 
@@ -363,12 +373,14 @@ def dumps(
     options: Options,
     transport: Transport | None = None,
     cache_functions: bool = True,
+    task: int | None = None,
 ) -> Packed:
     """Run one pass over ``obj``: forward with a ``transport``, backward without one.
 
-    If the pass fails, every segment it created is dropped (and so unlinked).
+    ``task``: the number of the task this pass sends (see :meth:`Transport.number`). If
+    the pass fails, every segment it created is dropped (and so unlinked).
     """
-    state = Pass(options, transport, cache_functions)
+    state = Pass(options, transport, cache_functions, task)
     out = io.BytesIO()
     pickler = _Pickler(out, state)
     try:
@@ -420,9 +432,13 @@ class Transport:
         # What went where, for statistics(), e.g. {"bytes_copied": 8000000, "tasks": 3}.
         self.counts: Counter[str] = Counter()
         self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
-        # Copies still referenced by a task in flight, by the source bytes they hold,
-        # e.g. {(140213, 8000000): <weakref to Mapping>}.
-        self._copies: dict[tuple[int, int], weakref.ref[Mapping]] = {}
+        # Numbers tasks in the order they are submitted, and copies in the order they are
+        # made: a copy made after a task was submitted is a valid snapshot for it.
+        self._numbers = count()
+        # Copies alive (held by tasks in flight, or pooled), by the source bytes they hold,
+        # and the first task number they are not known to be valid for, e.g.
+        # {(140213, 8000000): [<weakref to Mapping>, 17]}.
+        self._copies: dict[tuple[int, int], list[Any]] = {}
         # Copies held by tasks in flight: {id(mapping): [mapping, tasks holding it, every
         # worker let go of it so far]}, e.g. {1401: [<Mapping>, 2, True]}.
         self._held: dict[int, list[Any]] = {}
@@ -436,6 +452,10 @@ class Transport:
         self._functions: weakref.WeakKeyDictionary[Callable[..., Any], bytes | None] = (
             weakref.WeakKeyDictionary()
         )
+
+    def number(self) -> int:
+        """The next number: every task numbered below it was submitted before now."""
+        return next(self._numbers)
 
     def function_payload(self, fn: types.FunctionType) -> bytes | None:
         """The pickle of ``fn``, made once while ``fn`` lives, or None if it must not be cached.
@@ -504,7 +524,8 @@ class Transport:
             mapping = entry[0]
             # its content changes: it no longer holds the bytes it was remembered for
             source = mapping.source
-            if source is not None and (ref := self._copies.get(source)) and ref() is mapping:
+            entry = self._copies.get(source) if source is not None else None
+            if entry is not None and entry[0]() is mapping:
                 del self._copies[source]
         return mapping
 
@@ -517,29 +538,43 @@ class Transport:
         with self._lock:
             return [m.name for m, _ in self._pool]
 
-    def reusable_copy(self, raw: memoryview, low: int) -> Mapping | None:
-        """A copy in flight of these very bytes, if their content has not changed since."""
+    def reusable_copy(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
+        """A copy of these very bytes that is a valid snapshot of them for ``task``.
+
+        A copy made after the task was submitted is one as it is: the bytes the copy
+        took were the task's own argument, alive and unsent since its submit, and the
+        stdlib would have pickled them later still. For a task submitted after the copy
+        (or no task: None), the bytes are compared first; equal, the copy becomes valid
+        for every task submitted up to the comparison.
+        """
         with self._lock:
-            ref = self._copies.get((low, raw.nbytes))
-        mapping = ref() if ref is not None else None
+            entry = self._copies.get((low, raw.nbytes))
+        mapping = entry[0]() if entry is not None else None
         if mapping is None:
             return None
-        if not _same_bytes(low, mapping.address, raw.nbytes):
-            return None
+        assert entry is not None
+        if task is None or task >= entry[1]:
+            compared = self.number()
+            if not _same_bytes(low, mapping.address, raw.nbytes):
+                return None
+            with self._lock:
+                entry[1] = max(entry[1], compared)
         with self._lock:  # the same bytes again: out of the pool (if there), as they are
-            self._pool = [entry for entry in self._pool if entry[0] is not mapping]
+            self._pool = [e for e in self._pool if e[0] is not mapping]
         return mapping
 
-    def remember_copy(self, raw: memoryview, low: int, mapping: Mapping) -> None:
+    def remember_copy(self, raw: memoryview, low: int, mapping: Mapping, made: int) -> None:
+        """``mapping`` holds the bytes ``raw`` at ``low``, copied after task ``made``."""
         key = mapping.source = (low, raw.nbytes)
 
         def forget(ref: weakref.ref[Mapping]) -> None:
             with self._lock:
-                if self._copies.get(key) is ref:
+                entry = self._copies.get(key)
+                if entry is not None and entry[0] is ref:
                     del self._copies[key]
 
         with self._lock:
-            self._copies[key] = weakref.ref(mapping, forget)
+            self._copies[key] = [weakref.ref(mapping, forget), made]
 
 
 def _pickled_by_value(fn: types.FunctionType) -> bool:
@@ -570,6 +605,8 @@ class Task:
     ) -> None:
         self.call: tuple[Any, ...] | None = (fn, args, kwargs)
         self.transport = transport
+        self.number = transport.number()  # its place in submission order
+        self.sent = False
         self.keep: list[Mapping] = []
         self.copies: list[Mapping] = []
         # Set once the executor has finished setting up the task's future: the task
@@ -582,7 +619,10 @@ class Task:
         if self.call is None:
             raise RuntimeError("this task was already completed")
         self.ready.wait()
-        packed = dumps(self.call, self.transport.options, self.transport)
+        if self.sent:  # sent again (an initializer, for a new worker): as if submitted now
+            self.number = self.transport.number()
+        self.sent = True
+        packed = dumps(self.call, self.transport.options, self.transport, task=self.number)
         self.transport.let_go(self.copies, frozenset())  # a previous reduction's, if any
         self.keep, self.copies = packed.keep, packed.copies  # until release()
         self.transport.hold(self.copies)

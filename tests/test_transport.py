@@ -277,6 +277,45 @@ def test_changed_array_is_never_served_a_stale_copy(executor):
     assert changed == LARGE - 1 + 1000.0
 
 
+def test_a_copy_serves_tasks_submitted_before_it_as_is_and_later_ones_once_compared(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """D3 rule 2: a copy made after a task was submitted is a snapshot of that task's
+    argument, taken no later than the stdlib would; a later task's bytes are compared."""
+    from sharexec import _reduction
+    from sharexec._config import Options
+
+    compared: list[int] = []
+    same_bytes = _reduction._same_bytes
+    monkeypatch.setattr(
+        _reduction, "_same_bytes", lambda a, b, n: compared.append(n) or same_bytes(a, b, n)
+    )
+    transport = _reduction.Transport(Options.resolve({}))
+    a = np.ones(LARGE)
+
+    def submitted() -> _reduction.Task:
+        return _reduction.Task(workers.total, (a,), {}, transport, ready=True)
+
+    def segment(task: _reduction.Task) -> str:
+        _, (_, buffers, _, _) = task.__reduce__()
+        return str(buffers[0][0])
+
+    burst = [submitted() for _ in range(4)]  # all submitted before anything is sent
+    sent = {segment(t) for t in burst}
+    assert len(sent) == 1
+    assert compared == []  # one copy, then reused as it is: no comparison
+    a[123] = 1000.0
+    late = submitted()
+    renewed = segment(late)
+    assert renewed not in sent  # compared, changed: a new copy
+    again = submitted()
+    assert segment(again) == renewed  # compared, unchanged: reused
+    assert compared == [a.nbytes, a.nbytes]
+    for task in [*burst, late, again]:
+        task.release()
+    transport.empty_pool()
+
+
 def test_memory_is_bounded_by_tasks_in_flight(executor):
     a = np.random.default_rng(0).random(4_000_000)  # 32 MB
     futures = [executor.submit(workers.sum_and_segment_bytes, a, os.getpid()) for _ in range(50)]
