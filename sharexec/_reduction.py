@@ -436,9 +436,8 @@ class Transport:
         # made: a copy made after a task was submitted is a valid snapshot for it.
         self._numbers = count()
         # Copies alive (held by tasks in flight, or pooled), by the source bytes they hold,
-        # and the first task number they are not known to be valid for, e.g.
-        # {(140213, 8000000): [<weakref to Mapping>, 17]}.
-        self._copies: dict[tuple[int, int], list[Any]] = {}
+        # e.g. {(140213, 8000000): _Remembered(<weakref to Mapping>, valid_below=17)}.
+        self._copies: dict[tuple[int, int], _Remembered] = {}
         # Copies held by tasks in flight: {id(mapping): [mapping, tasks holding it, every
         # worker let go of it so far]}, e.g. {1401: [<Mapping>, 2, True]}.
         self._held: dict[int, list[Any]] = {}
@@ -524,9 +523,9 @@ class Transport:
             mapping = entry[0]
             # its content changes: it no longer holds the bytes it was remembered for
             source = mapping.source
-            entry = self._copies.get(source) if source is not None else None
-            if entry is not None and entry[0]() is mapping:
-                del self._copies[source]
+            remembered = self._copies.get(source) if source is not None else None
+            if remembered is not None and remembered.ref() is mapping:
+                del self._copies[remembered.key]
         return mapping
 
     def empty_pool(self) -> None:
@@ -548,17 +547,15 @@ class Transport:
         for every task submitted up to the comparison.
         """
         with self._lock:
-            entry = self._copies.get((low, raw.nbytes))
-        mapping = entry[0]() if entry is not None else None
-        if mapping is None:
+            remembered = self._copies.get((low, raw.nbytes))
+        if remembered is None or (mapping := remembered.ref()) is None:
             return None
-        assert entry is not None
-        if task is None or task >= entry[1]:
+        if task is None or task >= remembered.valid_below:
             compared = self.number()
             if not _same_bytes(low, mapping.address, raw.nbytes):
                 return None
             with self._lock:
-                entry[1] = max(entry[1], compared)
+                remembered.valid_below = max(remembered.valid_below, compared)
         with self._lock:  # the same bytes again: out of the pool (if there), as they are
             self._pool = [e for e in self._pool if e[0] is not mapping]
         return mapping
@@ -569,12 +566,21 @@ class Transport:
 
         def forget(ref: weakref.ref[Mapping]) -> None:
             with self._lock:
-                entry = self._copies.get(key)
-                if entry is not None and entry[0] is ref:
+                remembered = self._copies.get(key)
+                if remembered is not None and remembered.ref is ref:
                     del self._copies[key]
 
         with self._lock:
-            self._copies[key] = [weakref.ref(mapping, forget), made]
+            self._copies[key] = _Remembered(key, weakref.ref(mapping, forget), made)
+
+
+@dataclass
+class _Remembered:
+    """A copy of the bytes ``key`` (address, length), valid for tasks numbered below."""
+
+    key: tuple[int, int]
+    ref: weakref.ref[Mapping]
+    valid_below: int
 
 
 def _pickled_by_value(fn: types.FunctionType) -> bool:
