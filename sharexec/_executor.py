@@ -45,11 +45,11 @@ from loky import ProcessPoolExecutor as _LokyExecutor
 from loky import cpu_count
 from loky._base import Future as _LokyFuture
 from loky.backend.context import get_context as _loky_context
-from loky.backend.queues import SimpleQueue as _LokySimpleQueue
-from loky.process_executor import ShutdownExecutorError, _RecycledWorkerPid, _SafeQueue
+from loky.process_executor import ShutdownExecutorError
 
 from . import _tracking
 from ._config import Options
+from ._queues import CallQueue, ResultQueue
 from ._reduction import Delivered, RebuildFailure, Task, Transport, run
 from ._worker import run_initializer
 
@@ -192,11 +192,11 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         self, job_reducers: Any, result_reducers: Any, queue_size: int | None = None
     ) -> None:
         super()._setup_queues(job_reducers, result_reducers, queue_size)
-        if self._max_tasks_per_child is not None:
-            # Same queues, with worker recycling: see _RecyclingCallQueue.
-            self._call_queue.__class__ = _RecyclingCallQueue
-            self._call_queue.max_tasks = self._max_tasks_per_child
-            self._result_queue.__class__ = _RecyclingResultQueue
+        # Same queues, with a cheaper envelope and worker recycling (see _queues). Set
+        # before anything is put on them: the call queue's feeder starts at the first put.
+        self._call_queue.__class__ = CallQueue
+        self._call_queue.max_tasks = self._max_tasks_per_child
+        self._result_queue.__class__ = ResultQueue
 
     def _start_executor_manager_thread(self) -> None:
         super()._start_executor_manager_thread()
@@ -222,7 +222,7 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         finally:
             # Only now may the feeder send it (so set_result comes after the swap); and
             # always, even if loky raised after queueing it: the feeder must never wait.
-            task.ready.set()
+            task.set_ready()
         # The first callback, before any of the user's: the call's segments are released
         # (no reference to the executor here, so that a future never keeps it alive).
         future.add_done_callback(partial(_finished, task))
@@ -302,52 +302,6 @@ class _Future(_LokyFuture):  # type: ignore[misc]
             super().set_result(result.value)
         else:  # pragma: no cover - every result comes through load_result
             super().set_result(result)
-
-
-# ---------------------------------------------------------------------------------------
-# Worker recycling (max_tasks_per_child), on loky's own clean-exit protocol
-# ---------------------------------------------------------------------------------------
-
-# In a worker: set once it has taken its last task.
-_recycling = False
-
-
-class _RecyclingCallQueue(_SafeQueue):  # type: ignore[misc]
-    """loky's call queue, which tells a worker to stop after ``max_tasks`` tasks.
-
-    A worker whose ``get`` returns None leaves by loky's clean path: it sends its pid on
-    the result queue, and the executor replaces it if work is pending (or at the next
-    submit). ``get`` only runs once the previous result is sent, so no task is lost.
-    """
-
-    max_tasks: int
-    _taken = 0  # tasks this worker has taken (each worker unpickles its own copy)
-
-    def __getstate__(self) -> tuple[Any, ...]:
-        return (*super().__getstate__(), self.max_tasks)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        super().__setstate__(state[:-1])
-        self.max_tasks = state[-1]
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        global _recycling
-        if self._taken >= self.max_tasks:
-            _recycling = True
-            return None
-        item = super().get(block, timeout)
-        if item is not None:
-            self._taken += 1
-        return item
-
-
-class _RecyclingResultQueue(_LokySimpleQueue):  # type: ignore[misc]
-    """loky's result queue, which marks a recycled worker's exit as deliberate."""
-
-    def put(self, obj: Any) -> None:
-        if _recycling and type(obj) is int:
-            obj = _RecycledWorkerPid(obj)  # loky's mark: replaced without a warning
-        super().put(obj)
 
 
 # ---------------------------------------------------------------------------------------

@@ -615,23 +615,31 @@ class Task:
         self.sent = False
         self.keep: list[Mapping] = []
         self.copies: list[Mapping] = []
-        # Set once the executor has finished setting up the task's future: the task
-        # cannot reach a worker (and its result the future) before that.
-        self.ready = threading.Event()
-        if ready:
-            self.ready.set()
+        # Held until the executor has finished setting up the task's future: the task
+        # cannot reach a worker (and its result the future) before that. A bare lock,
+        # released by another thread: an Event costs more than the rest of Task().
+        self._unready = threading.Lock()
+        if not ready:
+            self._unready.acquire()
+
+    def set_ready(self) -> None:
+        """The task may leave now (called once, by the thread that submitted it)."""
+        self._unready.release()
 
     def __reduce__(self) -> Any:
         if self.call is None:
             raise RuntimeError("this task was already completed")
-        self.ready.wait()
+        with self._unready:  # waits for set_ready()
+            pass
         if self.sent:  # sent again (an initializer, for a new worker): as if submitted now
             self.number = self.transport.number()
         self.sent = True
         packed = dumps(self.call, self.transport.options, self.transport, task=self.number)
-        self.transport.let_go(self.copies, frozenset())  # a previous reduction's, if any
+        if self.copies:  # a previous reduction's
+            self.transport.let_go(self.copies, frozenset())
         self.keep, self.copies = packed.keep, packed.copies  # until release()
-        self.transport.hold(self.copies)
+        if self.copies:
+            self.transport.hold(self.copies)
         sweeper = _tracking.sweeper_address()
         return load_call, (packed.payload, packed.buffers, self.transport.options, sweeper)
 
@@ -641,7 +649,8 @@ class Task:
         ``released``: the copies the worker no longer maps, which may be reused.
         """
         self.call = None
-        self.transport.let_go(self.copies, released)
+        if self.copies:
+            self.transport.let_go(self.copies, released)
         self.keep, self.copies = [], []
 
 
