@@ -275,13 +275,14 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             for work_item in list(self._pending_work_items.values()):
                 work_item.future.cancel()
         super().shutdown(wait=wait)
-        self._transport.empty_pool()
+        self._transport.close()
         if wait and self._init_task is not None:
             self._init_task.release()
 
 
 def _finished(task: Task, future: Future[Any]) -> None:
-    task.release(getattr(future, "released", frozenset()))
+    task.release(getattr(future, "delivered", None))
+    future.delivered = None  # type: ignore[attr-defined]  # what it held is released
     task.transport.counts["tasks_done"] += 1
 
 
@@ -292,13 +293,13 @@ class _Future(_LokyFuture):  # type: ignore[misc]
     manager thread's ``set_result`` fails this one future instead of the whole pool.
     """
 
-    released: frozenset[str] = frozenset()  # the argument copies the worker let go of
+    delivered: Delivered | None = None  # for the task's release (see _finished)
 
     def set_result(self, result: Any) -> None:
         if type(result) is RebuildFailure:
             self.set_exception(result.error)
         elif type(result) is Delivered:
-            self.released = result.released
+            self.delivered = result
             super().set_result(result.value)
         else:  # pragma: no cover - every result comes through load_result
             super().set_result(result)

@@ -23,10 +23,12 @@ The two directions are deliberately asymmetric (see :class:`Pass`):
   dispatch is the task's), and after comparing the bytes for any later task: a changed
   array never reuses a stale copy. A copy no task holds and no worker maps any more goes
   to a pool of warm segments for the next copies.
-* backward (worker → parent): the worker copies a large result into a fresh segment and
-  hands its ownership to the parent, which maps it and unlinks it at once: the result is
-  an ordinary private array that nothing can leak. Shared arrays the worker allocated go
-  back by reference, their ownership handed over too.
+* backward (worker → parent): the worker copies a large result into a segment: a warm
+  one the parent lent the task from its pool (sized after the function's last result),
+  or a fresh one whose ownership it hands to the parent, which maps it and unlinks it at
+  once. Either way the result is an ordinary private array (no other process maps it);
+  a lent segment goes back to the pool when the result is collected. Shared arrays the
+  worker allocated go back by reference, their ownership handed over too.
 
 Loky stays the carrier of small bytes only. :class:`Task` and :class:`Reply` are what
 loky pickles; their ``__reduce__`` returns our payload (the pickle, small) and the list
@@ -84,6 +86,7 @@ __all__ = [
 BufferRef = tuple[str, int, int, int]
 
 _COMPARE_CHUNK = 8 << 20  # compare in slices this big: no n-byte temporary
+_FUNCTIONS_REMEMBERED = 256  # functions whose last result sizes are kept
 _POOL_IDLE_SECONDS = 10.0  # a pooled segment unused this long is dropped
 
 
@@ -144,10 +147,15 @@ class Packed:
 
 
 class _Span:
-    """``length`` bytes at ``address``, as an array interface, keeping ``owner`` alive."""
+    """``length`` bytes at ``address``, as an array interface, keeping ``owner`` alive.
 
-    def __init__(self, owner: object, address: int, length: int) -> None:
+    ``argument``: ``owner`` is an array the task was given as one of its arguments (not
+    one made while pickling): a copy of its bytes may serve that task as it is.
+    """
+
+    def __init__(self, owner: object, address: int, length: int, argument: bool = False) -> None:
         self.owner = owner
+        self.argument = argument
         self.__array_interface__ = {
             "data": (address, False),  # read only, but not flagged: a
             # read-only flag would make pickle load the copy read-only (READONLY_BUFFER)
@@ -177,9 +185,9 @@ def _span_to_copy(a: np.ndarray, low: int, high: int) -> tuple[int, int]:
     return low, high
 
 
-def _describe(a: np.ndarray, owner: object, low: int, high: int) -> Any:
+def _describe(a: np.ndarray, owner: object, low: int, high: int, argument: bool = False) -> Any:
     """Reduce ``a`` to the bytes ``[low, high)`` it lies in, as a buffer, plus its geometry."""
-    span = np.asarray(_Span(owner, low, high - low))
+    span = np.asarray(_Span(owner, low, high - low, argument))
     first = a.__array_interface__["data"][0] - low
     buffer = pickle.PickleBuffer(span)  # type: ignore[arg-type]  # an ndarray is a buffer
     return rebuild_view, (buffer, first, a.shape, a.strides, a.dtype)
@@ -194,8 +202,13 @@ class Pass:
         transport: Transport | None,
         cache_functions: bool = True,
         task: int | None = None,
+        lent: list[tuple[str, int]] | None = None,
+        arguments: frozenset[int] = frozenset(),
     ) -> None:
         self.task = task  # the number of the task being sent, if this pass sends one
+        self.arguments = arguments  # ids of the arrays the task was given as arguments
+        # Backward: warm segments the parent lent this task for its result, (name, size).
+        self.lent = list(lent or [])
         self.min_share_bytes = options.min_share_bytes
         self.spill_to = options.temp_folder or tempfile.gettempdir()
         self.transport = transport  # None: the backward pass of a worker
@@ -234,7 +247,7 @@ class Pass:
         # Dense (C, F, transposed, reversed: every byte it spans is its own), or inside
         # bytes this pass copied already: describe it over the source bytes it spans.
         span_low, span_high = _span_to_copy(a, low, high)
-        return _describe(a, a, span_low, span_high)
+        return _describe(a, a, span_low, span_high, id(a) in self.arguments)
 
     def _holds(self, low: int, high: int) -> bool:
         return any(lo <= low and high <= hi for lo, hi, _ in self._copied)
@@ -249,6 +262,13 @@ class Pass:
             pooled = self.transport.take_pooled(size)
             if pooled is not None:
                 return pooled
+        lent = next((s for s in self.lent if size <= s[1] <= 2 * size), None)
+        if lent is not None:
+            self.lent.remove(lent)
+            try:
+                return _tracking.attach_lent(*lent)
+            except SegmentError:  # gone: the executor was shut down meanwhile
+                pass
         try:
             mapping = _tracking.new_private(size, self.spill_to)
         except SegmentError as exc:
@@ -374,13 +394,17 @@ def dumps(
     transport: Transport | None = None,
     cache_functions: bool = True,
     task: int | None = None,
+    lent: list[tuple[str, int]] | None = None,
+    arguments: frozenset[int] = frozenset(),
 ) -> Packed:
     """Run one pass over ``obj``: forward with a ``transport``, backward without one.
 
-    ``task``: the number of the task this pass sends (see :meth:`Transport.number`). If
-    the pass fails, every segment it created is dropped (and so unlinked).
+    ``task``: the number of the task this pass sends (see :meth:`Transport.number`), and
+    ``arguments`` the ids of the arrays it was given as arguments; ``lent``: backward,
+    the segments lent for the result. If the pass fails, every segment it created is
+    dropped (and so unlinked).
     """
-    state = Pass(options, transport, cache_functions, task)
+    state = Pass(options, transport, cache_functions, task, lent, arguments)
     out = io.BytesIO()
     pickler = _Pickler(out, state)
     try:
@@ -403,11 +427,14 @@ def dumps(
 def _loads(
     payload: bytes,
     buffers: list[BufferRef],
-    attach: Callable[[str, int], Mapping],
-    mapped: list[Mapping] | None = None,
+    attach: Callable[[str, int], Any],
+    mapped: list[Any] | None = None,
 ) -> Any:
-    """Unpickle ``payload`` over its out-of-band buffers; list the mappings in ``mapped``."""
-    mappings: dict[str, Mapping] = {}
+    """Unpickle ``payload`` over its out-of-band buffers; list the mappings in ``mapped``.
+
+    ``attach(name, size)`` gives the buffer (a mapping) that holds a segment's bytes.
+    """
+    mappings: dict[str, Any] = {}
     views = []
     for name, size, offset, length in buffers:
         mapping = mappings.get(name)
@@ -447,6 +474,14 @@ class Transport:
         # in, e.g. [(<Mapping>, 5012.5)]; bounded in bytes and in age (_trim).
         self._pool: list[tuple[Mapping, float]] = []
         self._pool_limit = _pool_limit()  # once: the size of shared memory does not change
+        self._closed = False  # shut down: nothing goes back to the pool any more
+        # Its number, by which results find their way back to its pool (see load_result).
+        self.token = next(_tokens)
+        _transports[self.token] = self
+        self._trimmer: threading.Timer | None = None  # trims the pool once idle
+        # Sizes of the large buffers each function's last result came back in, by
+        # function, e.g. {("app", "render"): [67108864]}: what to lend its next tasks.
+        self._result_sizes: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         # Functions pickled once, e.g. {<function f>: b"\x80\x05…"}; None: not cacheable.
         self._functions: weakref.WeakKeyDictionary[Callable[..., Any], bytes | None] = (
             weakref.WeakKeyDictionary()
@@ -505,11 +540,24 @@ class Transport:
             self._trim()
 
     def _trim(self) -> None:
-        """Drop (and so unlink) pooled segments idle too long, or beyond the byte limit."""
+        """Drop (and so unlink) pooled segments idle too long, or beyond the byte limit.
+
+        A timer trims again later while the pool holds anything: an executor left idle
+        does not keep its warm segments.
+        """
         old = time.monotonic() - _POOL_IDLE_SECONDS
         self._pool = [(m, t) for m, t in self._pool if t >= old]
         while sum(len(m) for m, _ in self._pool) > self._pool_limit:
             self._pool.pop(0)
+        if self._pool and self._trimmer is None and not self._closed:
+            self._trimmer = threading.Timer(_POOL_IDLE_SECONDS, self._trim_later)
+            self._trimmer.daemon = True
+            self._trimmer.start()
+
+    def _trim_later(self) -> None:
+        with self._lock:
+            self._trimmer = None
+            self._trim()
 
     def take_pooled(self, size: int) -> Mapping | None:
         """A pooled segment to hold ``size`` new bytes (at most twice as big), if any."""
@@ -528,9 +576,50 @@ class Transport:
                 del self._copies[remembered.key]
         return mapping
 
-    def empty_pool(self) -> None:
+    def close(self) -> None:
+        """The executor is shut down: drop the pool; segments coming back are dropped."""
         with self._lock:
+            self._closed = True
             self._pool = []
+            if self._trimmer is not None:
+                self._trimmer.cancel()
+                self._trimmer = None
+
+    def lend(self, function: tuple[str, str] | None) -> list[Mapping]:
+        """Warm segments for a task of ``function`` to write its large results into.
+
+        Sized after that function's last results; none if the pool has nothing that
+        fits. They are the parent's all along (see :func:`load_result`).
+        """
+        with self._lock:
+            sizes = self._result_sizes.get(function) if function is not None else None
+        lent = []
+        for size in sizes or ():
+            mapping = self.take_pooled(size)
+            if mapping is not None:
+                mapping.source = None
+                lent.append(mapping)
+        with _lent_lock:
+            for mapping in lent:
+                _lent[mapping.name] = mapping
+        return lent
+
+    def learn(self, function: tuple[str, str] | None, sizes: list[int]) -> None:
+        """``function``'s last result came back in buffers of these sizes."""
+        if function is None:
+            return
+        with self._lock:
+            self._result_sizes[function] = sizes
+            self._result_sizes.move_to_end(function)
+            if len(self._result_sizes) > _FUNCTIONS_REMEMBERED:
+                self._result_sizes.popitem(last=False)
+
+    def give_back(self, mapping: Mapping) -> None:
+        """A lent segment is free again: unused by its task, or its result collected."""
+        with self._lock:
+            if not self._closed:
+                self._pool.append((mapping, time.monotonic()))
+                self._trim()
 
     def pooled(self) -> list[str]:
         """Names of the segments in the pool."""
@@ -540,22 +629,32 @@ class Transport:
     def reusable_copy(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
         """A copy of these very bytes that is a valid snapshot of them for ``task``.
 
-        A copy made after the task was submitted is one as it is: the bytes the copy
-        took were the task's own argument, alive and unsent since its submit, and the
-        stdlib would have pickled them later still. For a task submitted after the copy
-        (or no task: None), the bytes are compared first; equal, the copy becomes valid
-        for every task submitted up to the comparison.
+        A copy made after the task was submitted, from the very object whose bytes the
+        task sends now (still alive: its memory was never freed and reused), is one as
+        it is: the copy took the task's own argument, unsent since its submit, and the
+        stdlib would have pickled it later still. Otherwise (a task submitted after the
+        copy, a temporary made while pickling, no task: None), the bytes are compared
+        first; equal, the copy becomes valid for every task submitted up to the
+        comparison.
         """
         with self._lock:
             remembered = self._copies.get((low, raw.nbytes))
         if remembered is None or (mapping := remembered.ref()) is None:
             return None
-        if task is None or task >= remembered.valid_below:
+        owner = _argument_owner(raw)
+        trusted = (
+            task is not None
+            and task < remembered.valid_below
+            and owner is not None
+            and remembered.owner() is owner
+        )
+        if not trusted:
             compared = self.number()
             if not _same_bytes(low, mapping.address, raw.nbytes):
                 return None
             with self._lock:
-                remembered.valid_below = max(remembered.valid_below, compared)
+                remembered.valid_below = compared
+                remembered.owner = _weak(owner)
         with self._lock:  # the same bytes again: out of the pool (if there), as they are
             self._pool = [e for e in self._pool if e[0] is not mapping]
         return mapping
@@ -570,8 +669,9 @@ class Transport:
                 if remembered is not None and remembered.ref is ref:
                     del self._copies[key]
 
+        owner = _weak(_argument_owner(raw))
         with self._lock:
-            self._copies[key] = _Remembered(key, weakref.ref(mapping, forget), made)
+            self._copies[key] = _Remembered(key, weakref.ref(mapping, forget), made, owner)
 
 
 @dataclass
@@ -581,6 +681,36 @@ class _Remembered:
     key: tuple[int, int]
     ref: weakref.ref[Mapping]
     valid_below: int
+    owner: Callable[[], object]  # a weak reference to the object whose bytes were taken
+
+
+def _argument_owner(raw: memoryview) -> object:
+    """The array owning the memory under ``raw`` (the root of its bases), if ``raw`` spans
+    an array the task was given as an argument; else None.
+
+    Only then can a copy be trusted without comparing: a buffer made while pickling (a
+    temporary, or one rewritten by some ``__reduce__``) may hold other bytes at the same
+    address for every task.
+    """
+    span = getattr(raw.obj, "base", None)
+    if not isinstance(span, _Span) or not span.argument:
+        return None
+    owner = span.owner
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    return owner
+
+
+def _weak(owner: object) -> Callable[[], object]:
+    """A weak reference to ``owner``, or one that is always dead if it cannot have one."""
+    try:
+        return weakref.ref(owner)
+    except TypeError:  # bytes, memoryview…: never trusted, always compared
+        return _dead
+
+
+def _dead() -> None:
+    return None
 
 
 def _pickled_by_value(fn: types.FunctionType) -> bool:
@@ -615,6 +745,8 @@ class Task:
         self.sent = False
         self.keep: list[Mapping] = []
         self.copies: list[Mapping] = []
+        self.function = _function_key(fn)  # whose last results size what is lent
+        self.lent: list[Mapping] = []  # warm segments lent for the result
         # Held until the executor has finished setting up the task's future: the task
         # cannot reach a worker (and its result the future) before that. A bare lock,
         # released by another thread: an Event costs more than the rest of Task().
@@ -634,24 +766,62 @@ class Task:
         if self.sent:  # sent again (an initializer, for a new worker): as if submitted now
             self.number = self.transport.number()
         self.sent = True
-        packed = dumps(self.call, self.transport.options, self.transport, task=self.number)
+        _, args, kwargs = self.call
+        given = frozenset(id(x) for x in (*args, *kwargs.values()) if isinstance(x, np.ndarray))
+        options = self.transport.options
+        packed = dumps(self.call, options, self.transport, task=self.number, arguments=given)
         if self.copies:  # a previous reduction's
             self.transport.let_go(self.copies, frozenset())
         self.keep, self.copies = packed.keep, packed.copies  # until release()
         if self.copies:
             self.transport.hold(self.copies)
+        self._take_back_lent()
+        self.lent = self.transport.lend(self.function)
+        lent = [(m.name, len(m)) for m in self.lent]
         sweeper = _tracking.sweeper_address()
-        return load_call, (packed.payload, packed.buffers, self.transport.options, sweeper)
+        home = (self.transport.token, lent)
+        return load_call, (packed.payload, packed.buffers, self.transport.options, sweeper, home)
 
-    def release(self, released: frozenset[str] = frozenset()) -> None:
+    def release(self, delivered: Delivered | None = None) -> None:
         """Drop the call and its segments, as early as the task is done.
 
-        ``released``: the copies the worker no longer maps, which may be reused.
+        ``delivered``: its result, if it came back (see :class:`Delivered`).
         """
         self.call = None
         if self.copies:
-            self.transport.let_go(self.copies, released)
+            self.transport.let_go(self.copies, delivered.released if delivered else frozenset())
         self.keep, self.copies = [], []
+        self._take_back_lent()
+        if delivered is not None:
+            self.transport.learn(self.function, delivered.sizes)
+
+    def _take_back_lent(self) -> None:
+        """Segments lent to this task that its result did not come back in are free."""
+        for mapping in self.lent:
+            with _lent_lock:
+                unused = _lent.pop(mapping.name, None) is not None
+            if unused:
+                self.transport.give_back(mapping)
+        self.lent = []
+
+
+def _function_key(fn: Callable[..., Any]) -> tuple[str, str] | None:
+    """A function's name, by which its tasks are lent segments for their results."""
+    qualname = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if not isinstance(qualname, str) or not isinstance(module, str):
+        return None  # a partial, a callable object: no guess
+    return module, qualname
+
+
+# Segments lent to tasks in flight, not yet back in a result, by name,
+# e.g. {"sharexec-41-Zm9v": <Mapping>}.
+_lent: dict[str, Mapping] = {}
+_lent_lock = threading.Lock()
+# The transports of this process by number, e.g. {3: <Transport>}: where a result's
+# segments go once the result is collected.
+_tokens = count(1)
+_transports: weakref.WeakValueDictionary[int, Transport] = weakref.WeakValueDictionary()
 
 
 # ---------------------------------------------------------------------------------------
@@ -659,13 +829,23 @@ class Task:
 # ---------------------------------------------------------------------------------------
 
 
-def load_call(payload: bytes, buffers: list[BufferRef], options: Options, sweeper: bytes) -> Any:
-    """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared."""
+def load_call(
+    payload: bytes,
+    buffers: list[BufferRef],
+    options: Options,
+    sweeper: bytes,
+    home: tuple[int, list[tuple[str, int]]],
+) -> Any:
+    """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared.
+
+    ``home``: the number of the sending transport, and the warm segments it lent for the
+    result, (name, size).
+    """
     _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
     mapped: list[Mapping] = []
     call = _loads(payload, buffers, _tracking.attach_private, mapped)
     # A list, so that run() can empty it: loky's call item holds it during the call.
-    return [call, options, [(m.name, weakref.ref(m)) for m in mapped]]
+    return [call, options, [(m.name, weakref.ref(m)) for m in mapped], home]
 
 
 # In a worker: functions already unpickled, by their pickle (most recent last).
@@ -687,7 +867,7 @@ def load_function(payload: bytes) -> Any:
 
 def run(call: Any) -> Reply:
     """Run a call in the worker and pack its result for the way back."""
-    (fn, args, kwargs), options, mapped = call
+    (fn, args, kwargs), options, mapped, (token, lent) = call
     call.clear()
     try:
         result = fn(*args, **kwargs)
@@ -697,7 +877,7 @@ def run(call: Any) -> Reply:
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
     # The argument copies nothing here maps any more: the parent may reuse them.
     released = [name for name, ref in mapped if ref() is None]
-    return Reply(dumps(result, options), released)
+    return Reply(dumps(result, options, lent=lent), released, token)
 
 
 def _raise_picklable(exc: Exception) -> None:
@@ -715,15 +895,16 @@ def _raise_picklable(exc: Exception) -> None:
 class Reply:
     """A result on its way back: a small payload and the segments handed to the parent."""
 
-    def __init__(self, packed: Packed, released: list[str]) -> None:
+    def __init__(self, packed: Packed, released: list[str], token: int) -> None:
         self.packed = packed
         self.released = released
+        self.token = token  # the transport that sent the call
 
     def __reduce__(self) -> Any:
-        return load_result, (self.packed.payload, self.packed.buffers, self.released)
+        return load_result, (self.packed.payload, self.packed.buffers, self.released, self.token)
 
 
-def load_result(payload: bytes, buffers: list[BufferRef], released: list[str]) -> Any:
+def load_result(payload: bytes, buffers: list[BufferRef], released: list[str], token: int) -> Any:
     """Rebuild a result in the parent, adopting (and so unlinking) its segments.
 
     This runs in loky's manager thread, where an exception would break the whole pool
@@ -736,20 +917,56 @@ def load_result(payload: bytes, buffers: list[BufferRef], released: list[str]) -
             f"shared memory is full or missing ({_segments.SHM_FOLDER}): large results "
             f"come back through files in {os.path.dirname(spilled[0])} instead"
         )
+    received: list[str] = []  # of the segments lent to the task
+
+    def receive(name: str, size: int) -> Any:
+        with _lent_lock:
+            mapping = _lent.pop(name, None)
+        if mapping is not None:
+            received.append(name)
+        elif os.path.isabs(name):  # spilled to a file: never pooled, unlinked at once
+            return _tracking.adopt_private(name, size)
+        else:
+            mapping = _tracking.adopt(name, size)
+        return _hold(mapping, token)
+
     try:
-        return Delivered(_loads(payload, buffers, _tracking.adopt_private), released)
+        value = _loads(payload, buffers, receive)
     except Exception as exc:
         for name, *_ in buffers:  # whatever was not adopted yet goes too
-            _tracking.forget(name)
+            if name not in received and name not in _lent:  # (lent ones: back to the pool)
+                _tracking.forget(name)
         return RebuildFailure(exc)
+    sizes: dict[str, int] = {}
+    for name, _, offset, length in buffers:
+        sizes[name] = max(sizes.get(name, 0), offset + length)
+    return Delivered(value, released, list(sizes.values()))
+
+
+def _hold(mapping: Mapping, token: int) -> Any:
+    """The buffer a result is rebuilt over: its segment goes to the pool of transport
+    ``token`` once the result (every view of it) is collected, or is dropped (and so
+    unlinked) if that transport is gone."""
+    holder = np.frombuffer(mapping, np.uint8)
+    weakref.finalize(holder, _give_back, token, mapping)
+    return holder
+
+
+def _give_back(token: int, mapping: Mapping) -> None:
+    transport = _transports.get(token)
+    if transport is not None:
+        transport.give_back(mapping)
 
 
 class Delivered:
-    """A rebuilt result, and the argument copies its worker let go of."""
+    """A rebuilt result, with what its task's release needs: the argument copies its
+    worker let go of, and the sizes of the large buffers it came in (what to lend the
+    function's next tasks)."""
 
-    def __init__(self, value: Any, released: list[str]) -> None:
+    def __init__(self, value: Any, released: list[str], sizes: list[int]) -> None:
         self.value = value
         self.released = frozenset(released)
+        self.sizes = sizes
 
 
 class RebuildFailure:

@@ -65,9 +65,13 @@ def new_name() -> str:
     return f"{PREFIX}{os.getpid()}-{secrets.token_urlsafe(9)}"
 
 
-def _map(fd: int, name: str, size: int, private: bool) -> Mapping:
-    access = mmap.ACCESS_COPY if private else mmap.ACCESS_WRITE
-    mapping = Mapping(fd, size, access=access)
+def _map(fd: int, name: str, size: int, private: bool, populate: bool = False) -> Mapping:
+    if populate:  # shared, every page mapped up front: one call instead of a fault each
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = Mapping(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    else:
+        access = mmap.ACCESS_COPY if private else mmap.ACCESS_WRITE
+        mapping = Mapping(fd, size, access=access)
     mapping.name = name
     probe = ctypes.c_char.from_buffer(mapping)
     mapping.address = ctypes.addressof(probe)
@@ -118,15 +122,21 @@ def create(size: int, name: str) -> Mapping:
         os.close(fd)
 
 
-def attach(name: str, size: int, private: bool) -> Mapping:
+def attach(name: str, size: int, private: bool, populate: bool = False) -> Mapping:
     """Map an existing segment: shared (writes are seen by every process mapping it) or
-    private (copy-on-write: this process's writes stay its own)."""
+    private (copy-on-write: this process's writes stay its own).
+
+    ``populate`` (shared only) maps every page at once, for a segment about to be
+    written whole: writing a warm segment through a fresh mapping otherwise takes a page
+    fault per page, about 2.5x the memcpy. Not for private mappings, where it would copy
+    every page up front.
+    """
     try:
         fd = _open(name, os.O_RDONLY if private else os.O_RDWR)
     except OSError as exc:
         raise SegmentError(exc.errno, f"cannot attach segment {name!r}: {exc.strerror}") from exc
     try:
-        return _map(fd, name, max(size, 1), private)
+        return _map(fd, name, max(size, 1), private, populate and not private)
     finally:
         os.close(fd)
 

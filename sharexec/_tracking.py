@@ -43,7 +43,9 @@ from .errors import SegmentError, SharexecWarning
 
 __all__ = [
     "Segment",
+    "adopt",
     "adopt_private",
+    "attach_lent",
     "attach_private",
     "attach_shared",
     "find_shared",
@@ -286,10 +288,23 @@ def attach_private(name: str, size: int) -> Mapping:
     return _segments.attach(name, size, private=True)
 
 
+def attach_lent(name: str, size: int) -> Mapping:
+    """Map a warm segment the parent lent this worker to write a result into.
+
+    It stays the parent's: this process neither owns nor hands it off.
+    """
+    return _segments.attach(name, size, private=False, populate=True)
+
+
 def forget(name: str) -> None:
     """Unlink a segment handed to this process that it will never map (a failed result)."""
     _segments.unlink(name)
     _tell("U", name)
+
+
+def adopt(name: str, size: int) -> Mapping:
+    """Map a segment another process filled for us alone and handed to us: ours to free."""
+    return _own(_segments.attach(name, size, private=False))
 
 
 def adopt_private(name: str, size: int) -> Mapping:

@@ -14,7 +14,7 @@ import workers
 from conftest import segments_now
 
 import sharexec
-from sharexec import _tracking
+from sharexec import _segments, _tracking
 from sharexec._arrays import byte_bounds
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,12 +74,38 @@ def test_failed_task_releases_its_segments(executor):
     assert segments_now() == before  # no release news from a failed task: never pooled
 
 
-def test_result_segments_are_adopted_and_unlinked_at_once(executor):
-    before = segments_now()
+def test_result_segments_are_the_parents_then_pooled_then_lent_for_the_next_result(executor):
+    """A large result comes back in a segment this process owns (the sweeper frees it
+    if this process dies), mapped by no other process: private semantics. Once the
+    result is collected, its segment joins the pool and is lent to the function's next
+    task for its result; the pool is unlinked at shutdown (no_leaks checks)."""
     r = executor.submit(workers.make_private, 300_000, 1.0).result()
-    assert workers.in_segment(r)
-    assert segments_now() == before  # mapped, but nameless: it cannot leak
-    assert r.sum() == 300_000
+    base = r
+    while isinstance(base, (np.ndarray, memoryview)):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    assert isinstance(base, _segments.Mapping)
+    assert base.name in segments_now() and _tracking.owns(base)
+    assert not sharexec.is_shared(r)
+    name = base.name
+    del r, base
+    gc.collect()
+    assert executor._transport.pooled() == [name]
+    again = executor.submit(workers.make_private, 300_000, 2.0).result()
+    assert again.sum() == 600_000.0
+    assert executor._transport.pooled() == []  # lent, and holding the new result
+    assert executor.statistics().segments_live == 1
+
+
+def test_a_lent_segment_the_result_does_not_need_goes_back_to_the_pool(executor):
+    r = executor.submit(workers.make_private, 300_000, 1.0).result()
+    del r
+    gc.collect()
+    (name,) = executor._transport.pooled()
+    future = executor.submit(workers.make_private, 10, 1.0)  # lent that one: too big
+    released = callbacks_done(future)
+    assert future.result().sum() == 10.0
+    assert released.wait(60)
+    assert executor._transport.pooled() == [name]
 
 
 def test_worker_frees_the_shared_arrays_it_keeps_to_itself(executor):

@@ -297,7 +297,7 @@ def test_a_copy_serves_tasks_submitted_before_it_as_is_and_later_ones_once_compa
         return _reduction.Task(workers.total, (a,), {}, transport, ready=True)
 
     def segment(task: _reduction.Task) -> str:
-        _, (_, buffers, _, _) = task.__reduce__()
+        _, (_, buffers, *_) = task.__reduce__()
         return str(buffers[0][0])
 
     burst = [submitted() for _ in range(4)]  # all submitted before anything is sent
@@ -313,7 +313,55 @@ def test_a_copy_serves_tasks_submitted_before_it_as_is_and_later_ones_once_compa
     assert compared == [a.nbytes, a.nbytes]
     for task in [*burst, late, again]:
         task.release()
-    transport.empty_pool()
+    transport.close()
+
+
+class Rewritten:
+    """Pickles as a buffer it rewrites each time: the same address, other bytes."""
+
+    scratch = np.empty(LARGE)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        Rewritten.scratch[:] = self.value
+        return np.array, (Rewritten.scratch,)
+
+
+class Temporary:
+    """Pickles as a temporary array, freed after the pass (its address is reused)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        return np.array, (np.full(LARGE, self.value),)
+
+
+@pytest.mark.parametrize("kind", [Rewritten, Temporary])
+def test_a_buffer_made_while_pickling_is_compared_never_trusted(
+    kind: type, no_leaks: None
+) -> None:
+    """Only an array the task was given as an argument can be trusted without a
+    comparison: bytes made by a __reduce__ differ from task to task at one address."""
+    from sharexec import _reduction
+    from sharexec._config import Options
+
+    transport = _reduction.Transport(Options.resolve({}))
+    burst = [
+        _reduction.Task(workers.total, (kind(float(i)),), {}, transport, ready=True)
+        for i in range(3)
+    ]
+    for task in burst:  # all submitted before the first is sent
+        task.__reduce__()
+    sent = [np.frombuffer(task.keep[0], np.float64, LARGE) for task in burst]
+    assert [float(x[0]) for x in sent] == [0.0, 1.0, 2.0]
+    assert [float(x[-1]) for x in sent] == [0.0, 1.0, 2.0]
+    del sent
+    for task in burst:
+        task.release()
+    transport.close()
 
 
 def test_memory_is_bounded_by_tasks_in_flight(executor):
