@@ -16,10 +16,11 @@ themselves those of CPython's ``concurrent.futures.process``)::
                                anything else      ─▶ pickled, in the payload
                              the Task keeps its segments alive until its future is done
 
-  worker:  load_call: copies mapped copy-on-write, shared segments mapped shared
+  worker (_worker):
+           load_call: copies mapped copy-on-write, shared segments mapped shared
            run: result = fn(*args, **kwargs)
-                Reply: the backward pass; large results copied into fresh segments
-                whose ownership passes to the parent
+                Reply: the backward pass (_reduction); large results copied into fresh
+                segments whose ownership passes to the parent
     │
     ▼
   result queue ──▶ executor manager thread (unpickles) ──▶ future.set_result
@@ -50,8 +51,8 @@ from loky.process_executor import ShutdownExecutorError, _RecycledWorkerPid, _Sa
 
 from . import _tracking
 from ._config import Options
-from ._reduction import Delivered, RebuildFailure, Task, Transport, run
-from ._worker import run_initializer
+from ._reduction import Task, Transport
+from ._worker import Delivered, RebuildFailure, run, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 

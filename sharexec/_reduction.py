@@ -25,7 +25,7 @@ The two directions are deliberately asymmetric (see :class:`Pass`):
   an ordinary private array that nothing can leak. Shared arrays the worker allocated go
   back by reference, their ownership handed over too.
 
-Loky stays the carrier of small bytes only. :class:`Task` and :class:`Reply` are what
+Loky stays the carrier of small bytes only. :class:`Task` and ``_worker.Reply`` are what
 loky pickles; their ``__reduce__`` returns our payload (the pickle, small) and the list
 of out-of-band buffers (segment name, size, offset, length).
 """
@@ -42,10 +42,9 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import types
 import weakref
-from collections import ChainMap, Counter, OrderedDict
+from collections import ChainMap, Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -58,26 +57,12 @@ from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
 from ._segments import Mapping
-from .errors import ResultError, SegmentError
+from ._worker import BufferRef, load_call, load_function
+from .errors import SegmentError
 
 logger = logging.getLogger("sharexec")
 
-__all__ = [
-    "Delivered",
-    "RebuildFailure",
-    "Reply",
-    "Task",
-    "Transport",
-    "dumps",
-    "load_call",
-    "load_function",
-    "load_result",
-    "run",
-]
-
-# An out-of-band buffer: (segment name, segment size, offset, length),
-# e.g. ("sharexec-41-Zm9vYmFy", 8000000, 0, 8000000).
-BufferRef = tuple[str, int, int, int]
+__all__ = ["Task", "Transport", "dumps"]
 
 _COMPARE_CHUNK = 8 << 20  # compare in slices this big: no n-byte temporary
 _POOL_IDLE_SECONDS = 10.0  # a pooled segment unused this long is dropped
@@ -388,25 +373,6 @@ def dumps(
     return packed
 
 
-def _loads(
-    payload: bytes,
-    buffers: list[BufferRef],
-    attach: Callable[[str, int], Mapping],
-    mapped: list[Mapping] | None = None,
-) -> Any:
-    """Unpickle ``payload`` over its out-of-band buffers; list the mappings in ``mapped``."""
-    mappings: dict[str, Mapping] = {}
-    views = []
-    for name, size, offset, length in buffers:
-        mapping = mappings.get(name)
-        if mapping is None:
-            mapping = mappings[name] = attach(name, size)
-        views.append(memoryview(mapping)[offset : offset + length])
-    if mapped is not None:
-        mapped.extend(mappings.values())
-    return pickle.loads(payload, buffers=views)
-
-
 # ---------------------------------------------------------------------------------------
 # The parent's side of an executor
 # ---------------------------------------------------------------------------------------
@@ -597,109 +563,3 @@ class Task:
         self.call = None
         self.transport.let_go(self.copies, released)
         self.keep, self.copies = [], []
-
-
-# ---------------------------------------------------------------------------------------
-# The worker's side
-# ---------------------------------------------------------------------------------------
-
-
-def load_call(payload: bytes, buffers: list[BufferRef], options: Options, sweeper: bytes) -> Any:
-    """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared."""
-    _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
-    mapped: list[Mapping] = []
-    call = _loads(payload, buffers, _tracking.attach_private, mapped)
-    # A list, so that run() can empty it: loky's call item holds it during the call.
-    return [call, options, [(m.name, weakref.ref(m)) for m in mapped]]
-
-
-# In a worker: functions already unpickled, by their pickle (most recent last).
-_functions: OrderedDict[bytes, Any] = OrderedDict()
-_FUNCTIONS_KEPT = 256
-
-
-def load_function(payload: bytes) -> Any:
-    """Unpickle a cached function once per worker."""
-    fn = _functions.get(payload)
-    if fn is None:
-        fn = _functions[payload] = pickle.loads(payload)
-        if len(_functions) > _FUNCTIONS_KEPT:
-            _functions.popitem(last=False)
-    else:
-        _functions.move_to_end(payload)
-    return fn
-
-
-def run(call: Any) -> Reply:
-    """Run a call in the worker and pack its result for the way back."""
-    (fn, args, kwargs), options, mapped = call
-    call.clear()
-    try:
-        result = fn(*args, **kwargs)
-    except Exception as exc:
-        _raise_picklable(exc)
-        raise
-    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
-    # The argument copies nothing here maps any more: the parent may reuse them.
-    released = [name for name, ref in mapped if ref() is None]
-    return Reply(dumps(result, options), released)
-
-
-def _raise_picklable(exc: Exception) -> None:
-    """Replace a task's exception that cannot be pickled: loky's worker would die of it."""
-    try:
-        cloudpickle.dumps(exc)
-    except Exception as why:
-        remote = "".join(traceback.format_exception(exc))
-        raise RuntimeError(
-            f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent back "
-            f"to the parent: {why}\n\nIts traceback in the worker:\n{remote}"
-        ) from None
-
-
-class Reply:
-    """A result on its way back: a small payload and the segments handed to the parent."""
-
-    def __init__(self, packed: Packed, released: list[str]) -> None:
-        self.packed = packed
-        self.released = released
-
-    def __reduce__(self) -> Any:
-        return load_result, (self.packed.payload, self.packed.buffers, self.released)
-
-
-def load_result(payload: bytes, buffers: list[BufferRef], released: list[str]) -> Any:
-    """Rebuild a result in the parent, adopting (and so unlinking) its segments.
-
-    This runs in loky's manager thread, where an exception would break the whole pool
-    (as the standard library's does): a failure is returned instead, for the executor's
-    future to raise (see ``_executor._Future``), and the pool goes on.
-    """
-    spilled = [name for name, *_ in buffers if os.path.isabs(name)]
-    if spilled:
-        _tracking.warn_fallback(
-            f"shared memory is full or missing ({_segments.SHM_FOLDER}): large results "
-            f"come back through files in {os.path.dirname(spilled[0])} instead"
-        )
-    try:
-        return Delivered(_loads(payload, buffers, _tracking.adopt_private), released)
-    except Exception as exc:
-        for name, *_ in buffers:  # whatever was not adopted yet goes too
-            _tracking.forget(name)
-        return RebuildFailure(exc)
-
-
-class Delivered:
-    """A rebuilt result, and the argument copies its worker let go of."""
-
-    def __init__(self, value: Any, released: list[str]) -> None:
-        self.value = value
-        self.released = frozenset(released)
-
-
-class RebuildFailure:
-    """A result that could not be rebuilt in the parent: its future raises ``error``."""
-
-    def __init__(self, cause: Exception) -> None:
-        self.error = ResultError(f"the task's result could not be rebuilt here: {cause!r}")
-        self.error.__cause__ = cause

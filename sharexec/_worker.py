@@ -1,15 +1,52 @@
-"""What a worker runs once, when it starts: it dies with its parent, then the user's
-initializer runs. Kept apart from the transport so a worker imports nothing heavy
-(numpy) before its first task needs it.
+"""What runs in a worker: its start, and each task's way through it.
+
+* Start: :func:`run_initializer`: the worker dies with its parent, then the user's
+  initializer runs.
+* A task: loky unpickles ``run`` and a :class:`~sharexec._reduction.Task`, which
+  rebuilds as :func:`load_call` (the call's copies mapped copy-on-write, its shared
+  arrays shared; functions cached by :func:`load_function`); :func:`run` calls it and
+  packs the result in a :class:`Reply`, which loky pickles back.
+* The parent's side of a reply, :func:`load_result`, lives here too: a ``Reply``
+  pickles as a reference to it, and pickle must import what it refers to in the worker.
+
+Kept apart from the transport (:mod:`sharexec._reduction`, the pickling pass) so that a
+worker imports nothing heavy before it needs it. A call that holds an array imports
+:mod:`sharexec._arrays` (and so NumPy) when it is unpickled; a result goes through the
+backward pass of :mod:`sharexec._reduction`, imported at the first result. Nothing here
+imports NumPy, :mod:`sharexec._arrays` or :mod:`sharexec._reduction` at import time.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import traceback
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
-from . import _tracking
+import cloudpickle
 
-__all__ = ["run_initializer"]
+from . import _segments, _tracking
+from ._config import Options
+from ._segments import Mapping
+from .errors import ResultError
+
+__all__ = [
+    "Delivered",
+    "RebuildFailure",
+    "Reply",
+    "load_call",
+    "load_function",
+    "load_result",
+    "run",
+    "run_initializer",
+]
+
+# An out-of-band buffer: (segment name, segment size, offset, length),
+# e.g. ("sharexec-41-Zm9vYmFy", 8000000, 0, 8000000).
+BufferRef = tuple[str, int, int, int]
 
 
 def run_initializer(parent_pid: int, call: Any) -> None:
@@ -27,3 +64,145 @@ def run_initializer(parent_pid: int, call: Any) -> None:
         assert call.call is not None
         fn, args, kwargs = call.call
     fn(*args, **kwargs)
+
+
+def _loads(
+    payload: bytes,
+    buffers: list[BufferRef],
+    attach: Callable[[str, int], Mapping],
+    mapped: list[Mapping] | None = None,
+) -> Any:
+    """Unpickle ``payload`` over its out-of-band buffers; list the mappings in ``mapped``."""
+    mappings: dict[str, Mapping] = {}
+    views = []
+    for name, size, offset, length in buffers:
+        mapping = mappings.get(name)
+        if mapping is None:
+            mapping = mappings[name] = attach(name, size)
+        views.append(memoryview(mapping)[offset : offset + length])
+    if mapped is not None:
+        mapped.extend(mappings.values())
+    return pickle.loads(payload, buffers=views)
+
+
+# ---------------------------------------------------------------------------------------
+# A call, in the worker
+# ---------------------------------------------------------------------------------------
+
+
+def load_call(payload: bytes, buffers: list[BufferRef], options: Options, sweeper: bytes) -> Any:
+    """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared."""
+    _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
+    mapped: list[Mapping] = []
+    call = _loads(payload, buffers, _tracking.attach_private, mapped)
+    # A list, so that run() can empty it: loky's call item holds it during the call.
+    return [call, options, [(m.name, weakref.ref(m)) for m in mapped]]
+
+
+# In a worker: functions already unpickled, by their pickle (most recent last).
+_functions: OrderedDict[bytes, Any] = OrderedDict()
+_FUNCTIONS_KEPT = 256
+
+
+def load_function(payload: bytes) -> Any:
+    """Unpickle a cached function once per worker."""
+    fn = _functions.get(payload)
+    if fn is None:
+        fn = _functions[payload] = pickle.loads(payload)
+        if len(_functions) > _FUNCTIONS_KEPT:
+            _functions.popitem(last=False)
+    else:
+        _functions.move_to_end(payload)
+    return fn
+
+
+def run(call: Any) -> Reply:
+    """Run a call in the worker and pack its result for the way back."""
+    (fn, args, kwargs), options, mapped = call
+    call.clear()
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as exc:
+        _raise_picklable(exc)
+        raise
+    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
+    # The argument copies nothing here maps any more: the parent may reuse them.
+    released = [name for name, ref in mapped if ref() is None]
+    from . import _reduction  # the backward pass (it imports NumPy)
+
+    packed = _reduction.dumps(result, options)
+    return Reply(packed.payload, packed.buffers, released, packed.keep)
+
+
+def _raise_picklable(exc: Exception) -> None:
+    """Replace a task's exception that cannot be pickled: loky's worker would die of it."""
+    try:
+        cloudpickle.dumps(exc)
+    except Exception as why:
+        remote = "".join(traceback.format_exception(exc))
+        raise RuntimeError(
+            f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent back "
+            f"to the parent: {why}\n\nIts traceback in the worker:\n{remote}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------
+# A result, on its way back to the parent
+# ---------------------------------------------------------------------------------------
+
+
+class Reply:
+    """A result on its way back: a small payload and the segments handed to the parent."""
+
+    def __init__(
+        self,
+        payload: bytes,
+        buffers: list[BufferRef],
+        released: list[str],
+        keep: list[Mapping] | None = None,
+    ) -> None:
+        self.payload = payload
+        self.buffers = buffers
+        self.released = released
+        # The mappings the payload refers to, held until it is sent.
+        self.keep = keep
+
+    def __reduce__(self) -> Any:
+        return load_result, (self.payload, self.buffers, self.released)
+
+
+def load_result(payload: bytes, buffers: list[BufferRef], released: list[str]) -> Any:
+    """Rebuild a result in the parent, adopting (and so unlinking) its segments.
+
+    This runs in loky's manager thread, where an exception would break the whole pool
+    (as the standard library's does): a failure is returned instead, for the executor's
+    future to raise (see ``_executor._Future``), and the pool goes on.
+    """
+    spilled = [name for name, *_ in buffers if os.path.isabs(name)]
+    if spilled:
+        _tracking.warn_fallback(
+            f"shared memory is full or missing ({_segments.SHM_FOLDER}): large results "
+            f"come back through files in {os.path.dirname(spilled[0])} instead"
+        )
+    try:
+        return Delivered(_loads(payload, buffers, _tracking.adopt_private), released)
+    except Exception as exc:
+        for name, *_ in buffers:  # whatever was not adopted yet goes too
+            _tracking.forget(name)
+        return RebuildFailure(exc)
+
+
+class Delivered:
+    """A rebuilt result, and the argument copies its worker let go of."""
+
+    def __init__(self, value: Any, released: list[str]) -> None:
+        self.value = value
+        self.released = frozenset(released)
+
+
+class RebuildFailure:
+    """A result that could not be rebuilt in the parent: its future raises ``error``."""
+
+    def __init__(self, cause: Exception) -> None:
+        self.error = ResultError(f"the task's result could not be rebuilt here: {cause!r}")
+        self.error.__cause__ = cause
