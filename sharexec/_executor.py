@@ -16,11 +16,12 @@ themselves those of CPython's ``concurrent.futures.process``)::
                                anything else      ─▶ pickled, in the payload
                              the Task keeps its segments alive until its future is done
 
-  worker (_worker):
+  worker (_worker: no NumPy imported until a call or a result holds an array):
            load_call: copies mapped copy-on-write, shared segments mapped shared
            run: result = fn(*args, **kwargs)
-                Reply: the backward pass (_reduction); large results copied into fresh
-                segments whose ownership passes to the parent
+                Reply: a plain result pickled as it is; any other takes the backward
+                pass (_reduction): large results copied into fresh segments whose
+                ownership passes to the parent
     │
     ▼
   result queue ──▶ executor manager thread (unpickles) ──▶ future.set_result

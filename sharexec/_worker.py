@@ -10,23 +10,27 @@
   pickles as a reference to it, and pickle must import what it refers to in the worker.
 
 Kept apart from the transport (:mod:`sharexec._reduction`, the pickling pass) so that a
-worker imports nothing heavy before it needs it. A call that holds an array imports
-:mod:`sharexec._arrays` (and so NumPy) when it is unpickled; a result goes through the
-backward pass of :mod:`sharexec._reduction`, imported at the first result. Nothing here
-imports NumPy, :mod:`sharexec._arrays` or :mod:`sharexec._reduction` at import time.
+worker imports nothing heavy: no NumPy until a task carries or returns an array. A call
+that holds an array imports :mod:`sharexec._arrays` (and so NumPy) when it is unpickled;
+a result goes through the full backward pass only if it may hold an array or a large
+out-of-band buffer (see :func:`run`). Nothing here imports NumPy, :mod:`sharexec._arrays`
+or :mod:`sharexec._reduction` at import time.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import sys
 import traceback
 import weakref
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
+from loky.backend import reduction as loky_reduction
 
 from . import _segments, _tracking
 from ._config import Options
@@ -117,7 +121,17 @@ def load_function(payload: bytes) -> Any:
 
 
 def run(call: Any) -> Reply:
-    """Run a call in the worker and pack its result for the way back."""
+    """Run a call in the worker and pack its result for the way back.
+
+    The result takes the cheapest road that is still exact:
+
+    * a plain value (``None``, a number, a string, bytes; or a tuple or list of them)
+      holds no buffer: plain pickle, a few hundred nanoseconds (many tiny tasks);
+    * while NumPy is not loaded in this worker, no array can exist: cloudpickle with
+      every buffer in band, unless one is large enough to share;
+    * anything else: the backward pass of :mod:`sharexec._reduction` (which imports
+      NumPy), where large buffers go to segments handed to the parent.
+    """
     (fn, args, kwargs), options, mapped = call
     call.clear()
     try:
@@ -128,10 +142,65 @@ def run(call: Any) -> Reply:
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
     # The argument copies nothing here maps any more: the parent may reuse them.
     released = [name for name, ref in mapped if ref() is None]
-    from . import _reduction  # the backward pass (it imports NumPy)
+    if _is_plain(result):
+        return Reply(pickle.dumps(result, protocol=5), [], released)
+    if "numpy" not in sys.modules:
+        payload = _dumps_in_band(result, options)
+        if payload is not None:
+            return Reply(payload, [], released)
+    from . import _reduction  # the backward pass: NumPy is needed (or loaded already)
 
     packed = _reduction.dumps(result, options)
     return Reply(packed.payload, packed.buffers, released, packed.keep)
+
+
+# Results that hold no buffer, whatever the pickler: plain pickle writes them as the
+# backward pass would (the C pickler saves these types itself, complex by copyreg).
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_PLAIN_ITEMS = 16  # a longer tuple or list takes the general road: no scan of its items
+
+
+def _is_plain(result: Any) -> bool:
+    """Whether ``result`` is an atom, or a short tuple or list of atoms."""
+    kind = type(result)
+    if kind in _ATOMS:
+        return True
+    if (kind is tuple or kind is list) and len(result) <= _PLAIN_ITEMS:
+        return all(type(item) in _ATOMS for item in result)
+    return False
+
+
+class _InBandPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    # The dispatch table of _reduction._Pickler (loky's reducers, then cloudpickle's and
+    # copyreg's): an object pickles here exactly as it would in the backward pass.
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        loky_reduction._dispatch_table, cloudpickle.Pickler.dispatch_table
+    )
+
+
+def _dumps_in_band(result: Any, options: Options) -> bytes | None:
+    """Pickle ``result`` as the backward pass would, in a worker that has no NumPy.
+
+    Without NumPy there is no array to share: every out-of-band buffer stays in band,
+    which is right for any object. None if a buffer is large enough to share, or if
+    pickling imported NumPy after all: then the backward pass must take over.
+    """
+    large = False
+
+    def in_band(buffer: pickle.PickleBuffer) -> bool:
+        nonlocal large
+        large = large or buffer.raw().nbytes >= options.min_share_bytes
+        return True
+
+    out = io.BytesIO()
+    pickler = _InBandPickler(out, protocol=5, buffer_callback=in_band)
+    try:
+        pickler.dump(result)
+    finally:
+        pickler.clear_memo()  # it holds the result, in a cycle only the GC would break
+    if large or "numpy" in sys.modules:
+        return None
+    return out.getvalue()
 
 
 def _raise_picklable(exc: Exception) -> None:
