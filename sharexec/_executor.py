@@ -19,7 +19,7 @@ themselves those of CPython's ``concurrent.futures.process``)::
   worker (_worker: no NumPy imported until a call or a result holds an array):
            load_call: copies mapped copy-on-write, shared segments mapped shared
            run: result = fn(*args, **kwargs)
-                Reply: a plain result pickled as it is; any other takes the backward
+                Reply: a plain result goes back as it is; any other takes the backward
                 pass (_reduction): large results copied into fresh segments whose
                 ownership passes to the parent
     │
@@ -302,7 +302,7 @@ class _Future(_LokyFuture):  # type: ignore[misc]
         elif type(result) is Delivered:
             self.released = result.released
             super().set_result(result.value)
-        else:  # pragma: no cover - every result comes through load_result
+        else:  # a plain value, sent back as it is (see _worker.run)
             super().set_result(result)
 
 

@@ -5,7 +5,8 @@
 * A task: loky unpickles ``run`` and a :class:`~sharexec._reduction.Task`, which
   rebuilds as :func:`load_call` (the call's copies mapped copy-on-write, its shared
   arrays shared; functions cached by :func:`load_function`); :func:`run` calls it and
-  packs the result in a :class:`Reply`, which loky pickles back.
+  packs the result in a :class:`Reply` (a plain value goes back as it is), which loky
+  pickles back.
 * The parent's side of a reply, :func:`load_result`, lives here too: a ``Reply``
   pickles as a reference to it, and pickle must import what it refers to in the worker.
 
@@ -120,13 +121,15 @@ def load_function(payload: bytes) -> Any:
     return fn
 
 
-def run(call: Any) -> Reply:
+def run(call: Any) -> Any:
     """Run a call in the worker and pack its result for the way back.
 
     The result takes the cheapest road that is still exact:
 
-    * a plain value (``None``, a number, a string, bytes; or a tuple or list of them)
-      holds no buffer: plain pickle, a few hundred nanoseconds (many tiny tasks);
+    * a plain value (``None``, a number, a string, bytes; or a short tuple or list of
+      them) holds no buffer: it is returned as it is for loky to pickle, if the call
+      had no argument copies to report released (many tiny tasks), else in a
+      :class:`Reply` pickled by plain pickle;
     * while NumPy is not loaded in this worker, no array can exist: cloudpickle with
       every buffer in band, unless one is large enough to share;
     * anything else: the backward pass of :mod:`sharexec._reduction` (which imports
@@ -143,6 +146,8 @@ def run(call: Any) -> Reply:
     # The argument copies nothing here maps any more: the parent may reuse them.
     released = [name for name, ref in mapped if ref() is None]
     if _is_plain(result):
+        if not mapped:  # nothing to tell the parent but the value
+            return result
         return Reply(pickle.dumps(result, protocol=5), [], released)
     if "numpy" not in sys.modules:
         payload = _dumps_in_band(result, options)
