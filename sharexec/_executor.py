@@ -16,10 +16,12 @@ themselves those of CPython's ``concurrent.futures.process``)::
                                anything else      ─▶ pickled, in the payload
                              the Task keeps its segments alive until its future is done
 
-  worker:  load_call: copies mapped copy-on-write, shared segments mapped shared
+  worker (_worker: no NumPy imported until a call or a result holds an array):
+           load_call: copies mapped copy-on-write, shared segments mapped shared
            run: result = fn(*args, **kwargs)
-                Reply: the backward pass; large results copied into fresh segments
-                whose ownership passes to the parent
+                Reply: a plain result goes back as it is; any other takes the backward
+                pass (_reduction): large results copied into fresh segments whose
+                ownership passes to the parent
     │
     ▼
   result queue ──▶ executor manager thread (unpickles) ──▶ future.set_result
@@ -50,8 +52,8 @@ from loky.process_executor import ShutdownExecutorError
 from . import _tracking
 from ._config import Options
 from ._queues import CallQueue, ResultQueue
-from ._reduction import Delivered, RebuildFailure, Task, Transport, run
-from ._worker import run_initializer
+from ._reduction import Task, Transport
+from ._worker import Delivered, RebuildFailure, run, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
@@ -301,7 +303,7 @@ class _Future(_LokyFuture):  # type: ignore[misc]
         elif type(result) is Delivered:
             self.delivered = result
             super().set_result(result.value)
-        else:  # pragma: no cover - every result comes through load_result
+        else:  # a plain value, sent back as it is (see _worker.run)
             super().set_result(result)
 
 

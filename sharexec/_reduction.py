@@ -30,7 +30,7 @@ The two directions are deliberately asymmetric (see :class:`Pass`):
   a lent segment goes back to the pool when the result is collected. Shared arrays the
   worker allocated go back by reference, their ownership handed over too.
 
-Loky stays the carrier of small bytes only. :class:`Task` and :class:`Reply` are what
+Loky stays the carrier of small bytes only. :class:`Task` and ``_worker.Reply`` are what
 loky pickles; their ``__reduce__`` returns our payload (the pickle, small) and the list
 of out-of-band buffers (segment name, size, offset, length).
 """
@@ -47,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import types
 import weakref
 from collections import ChainMap, Counter, OrderedDict
@@ -64,26 +63,12 @@ from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
 from ._segments import Mapping
-from .errors import ResultError, SegmentError
+from ._worker import BufferRef, Delivered, load_call, load_function
+from .errors import SegmentError
 
 logger = logging.getLogger("sharexec")
 
-__all__ = [
-    "Delivered",
-    "RebuildFailure",
-    "Reply",
-    "Task",
-    "Transport",
-    "dumps",
-    "load_call",
-    "load_function",
-    "load_result",
-    "run",
-]
-
-# An out-of-band buffer: (segment name, segment size, offset, length),
-# e.g. ("sharexec-41-Zm9vYmFy", 8000000, 0, 8000000).
-BufferRef = tuple[str, int, int, int]
+__all__ = ["Task", "Transport", "dumps", "is_lent", "receive"]
 
 _COMPARE_CHUNK = 8 << 20  # compare in slices this big: no n-byte temporary
 _FUNCTIONS_REMEMBERED = 256  # functions whose last result sizes are kept
@@ -422,28 +407,6 @@ def dumps(
         for mapping in packed.keep:
             _tracking.hand_off(mapping)
     return packed
-
-
-def _loads(
-    payload: bytes,
-    buffers: list[BufferRef],
-    attach: Callable[[str, int], Any],
-    mapped: list[Any] | None = None,
-) -> Any:
-    """Unpickle ``payload`` over its out-of-band buffers; list the mappings in ``mapped``.
-
-    ``attach(name, size)`` gives the buffer (a mapping) that holds a segment's bytes.
-    """
-    mappings: dict[str, Any] = {}
-    views = []
-    for name, size, offset, length in buffers:
-        mapping = mappings.get(name)
-        if mapping is None:
-            mapping = mappings[name] = attach(name, size)
-        views.append(memoryview(mapping)[offset : offset + length])
-    if mapped is not None:
-        mapped.extend(mappings.values())
-    return pickle.loads(payload, buffers=views)
 
 
 # ---------------------------------------------------------------------------------------
@@ -824,125 +787,6 @@ _tokens = count(1)
 _transports: weakref.WeakValueDictionary[int, Transport] = weakref.WeakValueDictionary()
 
 
-# ---------------------------------------------------------------------------------------
-# The worker's side
-# ---------------------------------------------------------------------------------------
-
-
-def load_call(
-    payload: bytes,
-    buffers: list[BufferRef],
-    options: Options,
-    sweeper: bytes,
-    home: tuple[int, list[tuple[str, int]]],
-) -> Any:
-    """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared.
-
-    ``home``: the number of the sending transport, and the warm segments it lent for the
-    result, (name, size).
-    """
-    _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
-    mapped: list[Mapping] = []
-    call = _loads(payload, buffers, _tracking.attach_private, mapped)
-    # A list, so that run() can empty it: loky's call item holds it during the call.
-    return [call, options, [(m.name, weakref.ref(m)) for m in mapped], home]
-
-
-# In a worker: functions already unpickled, by their pickle (most recent last).
-_functions: OrderedDict[bytes, Any] = OrderedDict()
-_FUNCTIONS_KEPT = 256
-
-
-def load_function(payload: bytes) -> Any:
-    """Unpickle a cached function once per worker."""
-    fn = _functions.get(payload)
-    if fn is None:
-        fn = _functions[payload] = pickle.loads(payload)
-        if len(_functions) > _FUNCTIONS_KEPT:
-            _functions.popitem(last=False)
-    else:
-        _functions.move_to_end(payload)
-    return fn
-
-
-def run(call: Any) -> Reply:
-    """Run a call in the worker and pack its result for the way back."""
-    (fn, args, kwargs), options, mapped, (token, lent) = call
-    call.clear()
-    try:
-        result = fn(*args, **kwargs)
-    except Exception as exc:
-        _raise_picklable(exc)
-        raise
-    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
-    # The argument copies nothing here maps any more: the parent may reuse them.
-    released = [name for name, ref in mapped if ref() is None]
-    return Reply(dumps(result, options, lent=lent), released, token)
-
-
-def _raise_picklable(exc: Exception) -> None:
-    """Replace a task's exception that cannot be pickled: loky's worker would die of it."""
-    try:
-        cloudpickle.dumps(exc)
-    except Exception as why:
-        remote = "".join(traceback.format_exception(exc))
-        raise RuntimeError(
-            f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent back "
-            f"to the parent: {why}\n\nIts traceback in the worker:\n{remote}"
-        ) from None
-
-
-class Reply:
-    """A result on its way back: a small payload and the segments handed to the parent."""
-
-    def __init__(self, packed: Packed, released: list[str], token: int) -> None:
-        self.packed = packed
-        self.released = released
-        self.token = token  # the transport that sent the call
-
-    def __reduce__(self) -> Any:
-        return load_result, (self.packed.payload, self.packed.buffers, self.released, self.token)
-
-
-def load_result(payload: bytes, buffers: list[BufferRef], released: list[str], token: int) -> Any:
-    """Rebuild a result in the parent, adopting (and so unlinking) its segments.
-
-    This runs in loky's manager thread, where an exception would break the whole pool
-    (as the standard library's does): a failure is returned instead, for the executor's
-    future to raise (see ``_executor._Future``), and the pool goes on.
-    """
-    spilled = [name for name, *_ in buffers if os.path.isabs(name)]
-    if spilled:
-        _tracking.warn_fallback(
-            f"shared memory is full or missing ({_segments.SHM_FOLDER}): large results "
-            f"come back through files in {os.path.dirname(spilled[0])} instead"
-        )
-    received: list[str] = []  # of the segments lent to the task
-
-    def receive(name: str, size: int) -> Any:
-        with _lent_lock:
-            mapping = _lent.pop(name, None)
-        if mapping is not None:
-            received.append(name)
-        elif os.path.isabs(name):  # spilled to a file: never pooled, unlinked at once
-            return _tracking.adopt_private(name, size)
-        else:
-            mapping = _tracking.adopt(name, size)
-        return _hold(mapping, token)
-
-    try:
-        value = _loads(payload, buffers, receive)
-    except Exception as exc:
-        for name, *_ in buffers:  # whatever was not adopted yet goes too
-            if name not in received and name not in _lent:  # (lent ones: back to the pool)
-                _tracking.forget(name)
-        return RebuildFailure(exc)
-    sizes: dict[str, int] = {}
-    for name, _, offset, length in buffers:
-        sizes[name] = max(sizes.get(name, 0), offset + length)
-    return Delivered(value, released, list(sizes.values()))
-
-
 def _hold(mapping: Mapping, token: int) -> Any:
     """The buffer a result is rebuilt over: its segment goes to the pool of transport
     ``token`` once the result (every view of it) is collected, or is dropped (and so
@@ -958,20 +802,24 @@ def _give_back(token: int, mapping: Mapping) -> None:
         transport.give_back(mapping)
 
 
-class Delivered:
-    """A rebuilt result, with what its task's release needs: the argument copies its
-    worker let go of, and the sizes of the large buffers it came in (what to lend the
-    function's next tasks)."""
+def receive(name: str, size: int, token: int) -> tuple[Any, bool]:
+    """In the parent: the buffer a result's segment is rebuilt over, and whether the
+    segment was one lent to the task.
 
-    def __init__(self, value: Any, released: list[str], sizes: list[int]) -> None:
-        self.value = value
-        self.released = frozenset(released)
-        self.sizes = sizes
+    A lent segment is mapped here already; a fresh one is adopted; both go to the pool
+    of transport ``token`` once the result is collected. A file (spilled) is mapped and
+    unlinked at once: never pooled.
+    """
+    with _lent_lock:
+        mapping = _lent.pop(name, None)
+    if mapping is not None:
+        return _hold(mapping, token), True
+    if os.path.isabs(name):
+        return _tracking.adopt_private(name, size), False
+    return _hold(_tracking.adopt(name, size), token), False
 
 
-class RebuildFailure:
-    """A result that could not be rebuilt in the parent: its future raises ``error``."""
-
-    def __init__(self, cause: Exception) -> None:
-        self.error = ResultError(f"the task's result could not be rebuilt here: {cause!r}")
-        self.error.__cause__ = cause
+def is_lent(name: str) -> bool:
+    """Whether ``name`` is lent to a task in flight (and so returns to a pool)."""
+    with _lent_lock:
+        return name in _lent

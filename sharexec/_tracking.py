@@ -408,13 +408,17 @@ def _start_sweeper() -> int:
     listener.bind(_address)
     listener.listen(64)
     read_end, write_end = os.pipe()
+    # The sweeper imports this package from where it lies, and nothing from site-packages
+    # (-S: no site processing, a few ms less of a start that competes with the first
+    # workers'; most of the rest, ~35 ms, is importing _tracking and _segments).
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+    code = "from sharexec._tracking import sweeper_main; sweeper_main()"
     global _sweeper_pid
     _sweeper_pid = os.posix_spawn(
         sys.executable,
-        [sys.executable, "-c", "from sharexec._tracking import sweeper_main; sweeper_main()"],
+        [sys.executable, "-S", "-c", code],
         env,
         file_actions=[
             (os.POSIX_SPAWN_DUP2, read_end, 0),

@@ -1,15 +1,57 @@
-"""What a worker runs once, when it starts: it dies with its parent, then the user's
-initializer runs. Kept apart from the transport so a worker imports nothing heavy
-(numpy) before its first task needs it.
+"""What runs in a worker: its start, and each task's way through it.
+
+* Start: :func:`run_initializer`: the worker dies with its parent, then the user's
+  initializer runs.
+* A task: loky unpickles ``run`` and a :class:`~sharexec._reduction.Task`, which
+  rebuilds as :func:`load_call` (the call's copies mapped copy-on-write, its shared
+  arrays shared; functions cached by :func:`load_function`); :func:`run` calls it and
+  packs the result in a :class:`Reply` (a plain value goes back as it is), which loky
+  pickles back.
+* The parent's side of a reply, :func:`load_result`, lives here too: a ``Reply``
+  pickles as a reference to it, and pickle must import what it refers to in the worker.
+
+Kept apart from the transport (:mod:`sharexec._reduction`, the pickling pass) so that a
+worker imports nothing heavy: no NumPy until a task carries or returns an array. A call
+that holds an array imports :mod:`sharexec._arrays` (and so NumPy) when it is unpickled;
+a result goes through the full backward pass only if it may hold an array or a large
+out-of-band buffer (see :func:`run`). Nothing here imports NumPy, :mod:`sharexec._arrays`
+or :mod:`sharexec._reduction` at import time.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import io
+import os
+import pickle
+import sys
+import traceback
+import weakref
+from collections import ChainMap, OrderedDict
+from collections.abc import Callable
+from typing import Any, ClassVar
 
-from . import _tracking
+import cloudpickle
+from loky.backend import reduction as loky_reduction
 
-__all__ = ["run_initializer"]
+from . import _segments, _tracking
+from ._config import Options
+from ._segments import Mapping
+from .errors import ResultError
+
+__all__ = [
+    "Delivered",
+    "RebuildFailure",
+    "Reply",
+    "load_call",
+    "load_function",
+    "load_result",
+    "run",
+    "run_initializer",
+]
+
+# An out-of-band buffer: (segment name, segment size, offset, length),
+# e.g. ("sharexec-41-Zm9vYmFy", 8000000, 0, 8000000).
+BufferRef = tuple[str, int, int, int]
 
 
 def run_initializer(parent_pid: int, call: Any) -> None:
@@ -27,3 +69,249 @@ def run_initializer(parent_pid: int, call: Any) -> None:
         assert call.call is not None
         fn, args, kwargs = call.call
     fn(*args, **kwargs)
+
+
+def _loads(
+    payload: bytes,
+    buffers: list[BufferRef],
+    attach: Callable[[str, int], Any],
+    mapped: list[Any] | None = None,
+) -> Any:
+    """Unpickle ``payload`` over its out-of-band buffers; list the mappings in ``mapped``.
+
+    ``attach(name, size)`` gives the buffer (a mapping) that holds a segment's bytes.
+    """
+    mappings: dict[str, Any] = {}
+    views = []
+    for name, size, offset, length in buffers:
+        mapping = mappings.get(name)
+        if mapping is None:
+            mapping = mappings[name] = attach(name, size)
+        views.append(memoryview(mapping)[offset : offset + length])
+    if mapped is not None:
+        mapped.extend(mappings.values())
+    return pickle.loads(payload, buffers=views)
+
+
+# ---------------------------------------------------------------------------------------
+# A call, in the worker
+# ---------------------------------------------------------------------------------------
+
+
+def load_call(
+    payload: bytes,
+    buffers: list[BufferRef],
+    options: Options,
+    sweeper: bytes,
+    home: tuple[int, list[tuple[str, int]]],
+) -> Any:
+    """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared.
+
+    ``home``: the number of the sending transport, and the warm segments it lent for the
+    result, (name, size).
+    """
+    _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
+    mapped: list[Mapping] = []
+    call = _loads(payload, buffers, _tracking.attach_private, mapped)
+    # A list, so that run() can empty it: loky's call item holds it during the call.
+    return [call, options, [(m.name, weakref.ref(m)) for m in mapped], home]
+
+
+# In a worker: functions already unpickled, by their pickle (most recent last).
+_functions: OrderedDict[bytes, Any] = OrderedDict()
+_FUNCTIONS_KEPT = 256
+
+
+def load_function(payload: bytes) -> Any:
+    """Unpickle a cached function once per worker."""
+    fn = _functions.get(payload)
+    if fn is None:
+        fn = _functions[payload] = pickle.loads(payload)
+        if len(_functions) > _FUNCTIONS_KEPT:
+            _functions.popitem(last=False)
+    else:
+        _functions.move_to_end(payload)
+    return fn
+
+
+def run(call: Any) -> Any:
+    """Run a call in the worker and pack its result for the way back.
+
+    The result takes the cheapest road that is still exact:
+
+    * a plain value (``None``, a number, a string, bytes; or a short tuple or list of
+      them) holds no buffer: it is returned as it is for loky to pickle, if the call
+      had no argument copies to report released (many tiny tasks), else in a
+      :class:`Reply` pickled by plain pickle;
+    * while NumPy is not loaded in this worker, no array can exist: cloudpickle with
+      every buffer in band, unless one is large enough to share;
+    * anything else: the backward pass of :mod:`sharexec._reduction` (which imports
+      NumPy), where large buffers go to segments handed to the parent.
+    """
+    (fn, args, kwargs), options, mapped, (token, lent) = call
+    call.clear()
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as exc:
+        _raise_picklable(exc)
+        raise
+    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
+    # The argument copies nothing here maps any more: the parent may reuse them.
+    released = [name for name, ref in mapped if ref() is None]
+    if _is_plain(result):
+        if not mapped:  # nothing to tell the parent but the value
+            return result
+        return Reply(pickle.dumps(result, protocol=5), [], released, token)
+    if "numpy" not in sys.modules:
+        payload = _dumps_in_band(result, options)
+        if payload is not None:
+            return Reply(payload, [], released, token)
+    from . import _reduction  # the backward pass: NumPy is needed (or loaded already)
+
+    packed = _reduction.dumps(result, options, lent=lent)
+    return Reply(packed.payload, packed.buffers, released, token, packed.keep)
+
+
+# Results that hold no buffer, whatever the pickler: plain pickle writes them as the
+# backward pass would (the C pickler saves these types itself, complex by copyreg).
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_PLAIN_ITEMS = 16  # a longer tuple or list takes the general road: no scan of its items
+
+
+def _is_plain(result: Any) -> bool:
+    """Whether ``result`` is an atom, or a short tuple or list of atoms."""
+    kind = type(result)
+    if kind in _ATOMS:
+        return True
+    if (kind is tuple or kind is list) and len(result) <= _PLAIN_ITEMS:
+        return all(type(item) in _ATOMS for item in result)
+    return False
+
+
+class _InBandPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    # The dispatch table of _reduction._Pickler (loky's reducers, then cloudpickle's and
+    # copyreg's): an object pickles here exactly as it would in the backward pass.
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        loky_reduction._dispatch_table, cloudpickle.Pickler.dispatch_table
+    )
+
+
+def _dumps_in_band(result: Any, options: Options) -> bytes | None:
+    """Pickle ``result`` as the backward pass would, in a worker that has no NumPy.
+
+    Without NumPy there is no array to share: every out-of-band buffer stays in band,
+    which is right for any object. None if a buffer is large enough to share, or if
+    pickling imported NumPy after all: then the backward pass must take over.
+    """
+    large = False
+
+    def in_band(buffer: pickle.PickleBuffer) -> bool:
+        nonlocal large
+        large = large or buffer.raw().nbytes >= options.min_share_bytes
+        return True
+
+    out = io.BytesIO()
+    pickler = _InBandPickler(out, protocol=5, buffer_callback=in_band)
+    try:
+        pickler.dump(result)
+    finally:
+        pickler.clear_memo()  # it holds the result, in a cycle only the GC would break
+    if large or "numpy" in sys.modules:
+        return None
+    return out.getvalue()
+
+
+def _raise_picklable(exc: Exception) -> None:
+    """Replace a task's exception that cannot be pickled: loky's worker would die of it."""
+    try:
+        cloudpickle.dumps(exc)
+    except Exception as why:
+        remote = "".join(traceback.format_exception(exc))
+        raise RuntimeError(
+            f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent back "
+            f"to the parent: {why}\n\nIts traceback in the worker:\n{remote}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------
+# A result, on its way back to the parent
+# ---------------------------------------------------------------------------------------
+
+
+class Reply:
+    """A result on its way back: a small payload and the segments handed to the parent."""
+
+    def __init__(
+        self,
+        payload: bytes,
+        buffers: list[BufferRef],
+        released: list[str],
+        token: int,
+        keep: list[Mapping] | None = None,
+    ) -> None:
+        self.payload = payload
+        self.buffers = buffers
+        self.released = released
+        self.token = token  # the transport that sent the call
+        # The mappings the payload refers to, held until it is sent.
+        self.keep = keep
+
+    def __reduce__(self) -> Any:
+        return load_result, (self.payload, self.buffers, self.released, self.token)
+
+
+def load_result(payload: bytes, buffers: list[BufferRef], released: list[str], token: int) -> Any:
+    """Rebuild a result in the parent over its segments, which become the parent's.
+
+    Each goes to the pool of transport ``token`` once the result is collected (see
+    ``_reduction.receive``).
+
+    This runs in loky's manager thread, where an exception would break the whole pool
+    (as the standard library's does): a failure is returned instead, for the executor's
+    future to raise (see ``_executor._Future``), and the pool goes on.
+    """
+    spilled = [name for name, *_ in buffers if os.path.isabs(name)]
+    if spilled:
+        _tracking.warn_fallback(
+            f"shared memory is full or missing ({_segments.SHM_FOLDER}): large results "
+            f"come back through files in {os.path.dirname(spilled[0])} instead"
+        )
+    from . import _reduction  # in the parent, where it is loaded already
+
+    received: list[str] = []
+
+    def receive(name: str, size: int) -> Any:
+        buffer, _ = _reduction.receive(name, size, token)
+        received.append(name)
+        return buffer
+
+    try:
+        value = _loads(payload, buffers, receive)
+    except Exception as exc:
+        for name, *_ in buffers:  # whatever was not received yet goes too
+            if name not in received and not _reduction.is_lent(name):  # (lent: pooled)
+                _tracking.forget(name)
+        return RebuildFailure(exc)
+    sizes: dict[str, int] = {}
+    for name, _, offset, length in buffers:
+        sizes[name] = max(sizes.get(name, 0), offset + length)
+    return Delivered(value, released, list(sizes.values()))
+
+
+class Delivered:
+    """A rebuilt result, with what its task's release needs: the argument copies its
+    worker let go of, and the sizes of the large buffers it came in (what to lend the
+    function's next tasks)."""
+
+    def __init__(self, value: Any, released: list[str], sizes: list[int]) -> None:
+        self.value = value
+        self.released = frozenset(released)
+        self.sizes = sizes
+
+
+class RebuildFailure:
+    """A result that could not be rebuilt in the parent: its future raises ``error``."""
+
+    def __init__(self, cause: Exception) -> None:
+        self.error = ResultError(f"the task's result could not be rebuilt here: {cause!r}")
+        self.error.__cause__ = cause

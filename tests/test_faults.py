@@ -22,6 +22,8 @@ import faults_plugin
 import pytest
 from conftest import assert_none_left, descendants, segments_now
 
+import sharexec
+
 pytestmark = pytest.mark.timeout(120)
 
 PRELUDE = """
@@ -269,6 +271,32 @@ def test_parent_killed_with_tasks_in_flight(start_method, tmp_path):
     assert_none_left(left_by(proc))
     proc.stdout.close()
     proc.stderr.close()
+
+
+def test_sweeper_of_a_package_installed_elsewhere(tmp_path):
+    """The sweeper runs without site-packages (``python -S``): it finds the package where
+    the parent imported it from, here a copy outside this checkout (a plain install)."""
+    site = tmp_path / "site"
+    shutil.copytree(
+        Path(sharexec.__file__).parent,
+        site / "sharexec",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    proc = run_scenario(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            print("from", sharexec.__file__, flush=True)
+            keep = sharexec.zeros(300_000)
+            announce_sweeper()
+            os.kill(os.getpid(), signal.SIGKILL)
+        """,
+        "spawn",
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
+    out = finish(proc, expect_rc=-signal.SIGKILL)
+    assert f"from {site / 'sharexec' / '__init__.py'}" in out
+    assert_none_left(left_by(proc))
 
 
 def test_max_tasks_per_child_recycling_under_load(start_method, tmp_path):

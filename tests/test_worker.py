@@ -1,0 +1,62 @@
+"""What a worker imports: nothing heavy until a call or a result holds an array (issue 5).
+
+A worker imports NumPy (some 60 ms, most of a pool's start-up) only for a task that
+carries or returns an array: a plain result is pickled as it is, and while NumPy is not
+loaded no array can hide in a result, so the backward pass (and NumPy) is skipped unless
+a buffer is large enough to share. Under fork a worker inherits the parent's modules,
+NumPy among them: there, the same results still travel right.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import plain_workers
+from plain_workers import Blob, Point
+
+import sharexec
+from sharexec import _segments
+
+
+def test_a_worker_imports_numpy_only_for_arrays(start_method, no_leaks):
+    fresh = start_method != "fork"  # a forked worker starts with the parent's modules
+    # One worker, so that every task below runs in the same process.
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        heavy = ex.submit(plain_workers.heavy_modules).result()
+        if fresh:
+            assert heavy == []
+        # a plain result, a rich one, a small protocol-5 buffer: none needs NumPy
+        plain = (1, 2.5, "a", None, b"b")
+        assert ex.submit(plain_workers.echo, plain).result() == plain
+        assert ex.submit(plain_workers.point, 3).result() == Point(3, {"a", "b"})
+        small = ex.submit(plain_workers.blob, 10).result()
+        assert type(small) is Blob and bytes(small.data) == b"x" * 10
+        if fresh:
+            assert ex.submit(plain_workers.heavy_modules).result() == []
+        # an array among the arguments: NumPy and the rebuilding of views, not the
+        # backward pass (the result is a plain list)
+        heavy = ex.submit(plain_workers.heavy_modules, np.ones(100_000)).result()
+        assert {"numpy", "sharexec._arrays"} <= set(heavy)
+        if fresh:
+            assert "sharexec._reduction" not in heavy
+
+
+def test_a_large_buffer_returned_without_numpy_still_comes_through_a_segment(
+    start_method, no_leaks
+):
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        got = ex.submit(plain_workers.blob, 1 << 20).result()
+        assert bytes(got.data) == b"x" * (1 << 20)
+        # rebuilt over the segment the worker filled (and the parent adopted)
+        owner = got.data
+        while not isinstance(owner, _segments.Mapping) and owner is not None:
+            owner = owner.obj if isinstance(owner, memoryview) else owner.base
+        assert isinstance(owner, _segments.Mapping)
+        del owner
+        del got
+        # the worker took the backward pass for it
+        assert "sharexec._reduction" in ex.submit(plain_workers.heavy_modules).result()
+
+
+def test_a_long_list_of_plain_values_comes_back(executor):
+    values = [*range(1000), "a", 2.5, None]
+    assert executor.submit(plain_workers.echo, values).result() == values
