@@ -1,9 +1,11 @@
 """Shared-memory segments at the level of the operating system.
 
 This module owns every system call sharexec makes about shared memory: naming a segment,
-creating it with its space reserved, mapping it (shared, or private copy-on-write) and
-unlinking it. It decides nothing about lifetimes: :mod:`sharexec._tracking` says when to
-create, attach and unlink, and is the only caller of :func:`unlink`.
+creating it with its space reserved, mapping it (shared, or private copy-on-write),
+telling whether this process wrote into a private mapping (:func:`written`) or whether a
+segment still exists (:func:`existing`), and unlinking it. It decides nothing about
+lifetimes: :mod:`sharexec._tracking` says when to create, attach and unlink, and is the
+only caller of :func:`unlink`.
 
 Platform: POSIX shared memory (``shm_open``), that is ``/dev/shm`` on Linux. Names are
 ``sharexec-<pid>-<random>``: a fixed prefix so stale segments can be found, the creating
@@ -33,7 +35,18 @@ try:
 except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
 
-__all__ = ["PREFIX", "Mapping", "attach", "create", "listdir", "new_folder", "new_name", "unlink"]
+__all__ = [
+    "PREFIX",
+    "Mapping",
+    "attach",
+    "create",
+    "existing",
+    "listdir",
+    "new_folder",
+    "new_name",
+    "unlink",
+    "written",
+]
 
 PREFIX = "sharexec-"
 SHM_FOLDER = "/dev/shm"
@@ -172,3 +185,50 @@ def listdir() -> list[str]:
         return sorted(n for n in os.listdir(SHM_FOLDER) if n.startswith(PREFIX))
     except FileNotFoundError:  # pragma: no cover - no /dev/shm
         return []
+
+
+def existing(names: list[str]) -> set[str]:
+    """Which of these segments still have their name (one look at the folder, Linux)."""
+    in_memory = any(not os.path.isabs(n) for n in names)
+    try:
+        present = set(os.listdir(SHM_FOLDER)) if in_memory else set()
+    except OSError:  # pragma: no cover - no /dev/shm: then nothing is known to exist
+        return set()
+    return {n for n in names if (os.path.exists(n) if os.path.isabs(n) else n in present)}
+
+
+# /proc/self/pagemap holds 8 bytes per virtual page; in their top byte, bit 63 (0x80) says
+# present, bit 62 (0x40) swapped, bit 61 (0x20) a file page or shared anonymous memory. In
+# a private mapping of a segment, a page this process wrote is an anonymous copy: present
+# without bit 61, or swapped out. This table maps such a top byte to 1, any other to 0.
+_OWN_PAGE = bytes(1 if (b & 0xA0) == 0x80 or b & 0x40 else 0 for b in range(256))
+
+
+def written(mapping: Mapping) -> bool:
+    """Whether this process wrote into a private mapping: any page of it is its own copy.
+
+    True also when that cannot be told (no pagemap, a short read): the caller then must
+    not trust the mapping to show the segment's content. About 0.5 ms per 128 MiB.
+    """
+    page = mmap.PAGESIZE
+    first = mapping.address // page
+    pages = (mapping.address + len(mapping) + page - 1) // page - first
+    want = pages * 8
+    chunks = []
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        while want:
+            chunk = os.pread(fd, want, (first + pages) * 8 - want)
+            if not chunk:
+                return True
+            chunks.append(chunk)
+            want -= len(chunk)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return 1 in data[7::8].translate(_OWN_PAGE)
