@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from typing import Any
@@ -37,6 +38,27 @@ def write_and_sum(a: np.ndarray) -> float:
     """Writes into its (private) argument, then reads it back."""
     a[...] = 7
     return float(a.sum())
+
+
+_tags = itertools.count(1)
+
+
+def _mapping_of(a: np.ndarray) -> Any:
+    base: Any = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
+def tag_and_sum(a: np.ndarray, write_at: int | None = None) -> tuple[float, int]:
+    """The sum of ``a`` (after writing 7 at ``write_at``, if given), and a number that
+    names the mapping it lies in: the same number, the same mapping kept and reused."""
+    mapping = _mapping_of(a)
+    if not hasattr(mapping, "tag"):
+        mapping.tag = next(_tags)
+    if write_at is not None:
+        a[write_at] = 7
+    return float(a.sum()), mapping.tag
 
 
 def describe(a: Any) -> dict[str, Any]:

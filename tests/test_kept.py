@@ -1,0 +1,180 @@
+"""Workers keep the mappings of argument copies between tasks (issue 5).
+
+A worker maps a copy segment copy-on-write for a task and keeps that mapping afterwards;
+a later task that names the same segment reuses it, unless this worker wrote into it
+(its written pages are its own, stale) or a view from an earlier task still lives on it.
+Pages it never wrote show the segment's current content, so a segment the parent rewrote
+from its pool reads right. The in-process tests drive the worker's functions directly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import workers
+
+import sharexec
+from sharexec import _segments, _tracking, _worker
+
+pytestmark = pytest.mark.timeout(120)
+
+LARGE = 300_000  # float64 elements: 2.4 MB, above the 256 KiB default threshold
+
+
+# ---------------------------------------------------------------------------------------
+# Through an executor, under every start method
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_worker_reuses_its_mapping_of_a_copy(start_method, no_leaks):
+    a = np.arange(LARGE, dtype=float)
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        first = ex.submit(workers.tag_and_sum, a).result()
+        second = ex.submit(workers.tag_and_sum, a).result()
+    assert first[0] == second[0] == a.sum()
+    assert first[1] == second[1]  # the same mapping: not mapped afresh
+
+
+def test_a_copy_a_task_wrote_into_is_pristine_for_the_next(start_method, no_leaks):
+    a = np.full(LARGE, 1.0)
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        for where in (0, LARGE // 2, LARGE - 1):  # one page written is enough
+            written, tag = ex.submit(workers.tag_and_sum, a, where).result()
+            assert written == LARGE + 6
+            pristine, other = ex.submit(workers.tag_and_sum, a).result()
+            assert pristine == LARGE  # not the page the task before wrote
+            assert other != tag  # mapped afresh
+    assert (a == 1.0).all()
+
+
+def test_a_kept_mapping_shows_what_the_parent_rewrote_from_its_pool(start_method, no_leaks):
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        names: set[str] = set()
+        tags = []
+        for i in range(8):  # same size: each copy goes into the segment the last one left
+            total, tag = ex.submit(workers.tag_and_sum, np.full(LARGE, float(i))).result()
+            assert total == LARGE * i  # never the bytes an earlier task saw there
+            tags.append(tag)
+            names |= set(ex._transport.pooled())
+        assert len(names) <= 3  # the parent reused its segments…
+        assert len(set(tags)) <= 3  # …and the worker its mappings of them
+
+
+def test_a_view_a_task_kept_never_sees_a_later_task(start_method, no_leaks):
+    a = np.full(LARGE, 1.0)
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        assert ex.submit(workers.keep_and_sum, a).result() == LARGE
+        assert ex.submit(workers.tag_and_sum, a, 0).result()[0] == LARGE + 6
+        assert ex.submit(workers.tag_and_sum, a).result()[0] == LARGE
+        assert ex.submit(workers.kept_sums).result() == [10.0]
+
+
+# ---------------------------------------------------------------------------------------
+# The worker's functions, in this process
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Kept mappings of this process, dropped after the test; no dropping thread here."""
+    monkeypatch.setattr(_worker, "_dropper_pid", os.getpid())
+    yield
+    with _worker._kept_lock:
+        _worker._kept.clear()
+
+
+def _segment(value: int, size: int = 1 << 20) -> _segments.Mapping:
+    mapping = _tracking.new_private(size)
+    mapping[:] = bytes([value]) * size
+    return mapping
+
+
+def _held(name: str) -> _segments.Mapping | None:
+    entry = _worker._kept.get(name)
+    return None if entry is None else entry.mapping
+
+
+def test_written_tells_the_pages_this_process_wrote():
+    segment = _segment(1)
+    private = _tracking.attach_private(segment.name, len(segment))
+    assert not _segments.written(private)
+    assert private[:].count(1) == len(private)  # reading writes nothing
+    assert not _segments.written(private)
+    private[len(private) - 1] = 2
+    assert _segments.written(private)
+    private.close()
+
+
+def test_a_kept_mapping_is_reused_only_unwritten_and_with_no_view_left(kept):
+    segment = _segment(1)
+    name, size = segment.name, len(segment)
+    first = _worker._hold_copy(name, size)
+    kept_mapping = _held(name)
+    assert first.base.obj is kept_mapping
+    second = _worker._hold_copy(name, size)  # the first task's view lives: its own mapping
+    assert second.base.obj is not kept_mapping
+    assert first.base.obj is kept_mapping and first[0] == 1
+    del first, second, kept_mapping
+    _worker._after_task([name])
+    third = _worker._hold_copy(name, size)
+    assert third.base.obj is _held(name)  # reused
+    third[5] = 9  # copy-on-write: this mapping is no longer the segment's
+    del third
+    _worker._after_task([name])
+    assert name not in _worker._kept  # dropped as soon as its task was done
+    fourth = _worker._hold_copy(name, size)
+    assert fourth[5] == 1
+    segment[5] = 3  # the parent rewrites the segment (from its pool)
+    del fourth
+    _worker._after_task([name])
+    fifth = _worker._hold_copy(name, size)
+    assert fifth[5] == 3  # a kept mapping shows the segment's content
+
+
+def test_kept_mappings_stay_within_their_bounds(kept, monkeypatch):
+    monkeypatch.setattr(_worker, "_KEPT_MAPPINGS", 2)
+    monkeypatch.setattr(_worker, "_KEPT_BYTES", 3 << 20)
+    segments = [_segment(i) for i in range(3)]
+    for segment in segments:
+        _worker._hold_copy(segment.name, len(segment))
+    assert list(_worker._kept) == [s.name for s in segments[1:]]  # the oldest went
+    big = _segment(9, 2 << 20)
+    _worker._hold_copy(big.name, len(big))
+    assert list(_worker._kept) == [segments[2].name, big.name]  # 3 MiB at most
+    huge = _segment(9, 4 << 20)
+    _worker._hold_copy(huge.name, len(huge))
+    assert list(_worker._kept) == [segments[2].name, big.name]  # never kept
+
+
+def test_kept_mappings_of_freed_segments_are_dropped(kept):
+    segments = [_segment(i) for i in range(3)]
+    for segment in segments:
+        _worker._hold_copy(segment.name, len(segment))
+    names = [s.name for s in segments]
+    del segments[1]  # the parent frees it: unlinked
+    _worker._drop_unlinked()
+    assert list(_worker._kept) == [names[0], names[2]]
+
+
+def test_kept_mappings_are_dropped_after_a_while_without_tasks(kept):
+    segment = _segment(1)
+    _worker._hold_copy(segment.name, len(segment))
+    last = _worker._last_task
+    wait = _worker._drop_idle(last + 1.0)
+    assert wait == pytest.approx(_worker._KEPT_IDLE_SECONDS - 1.0)
+    assert segment.name in _worker._kept
+    assert _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS) == _worker._KEPT_IDLE_SECONDS
+    assert not _worker._kept
+
+
+def test_a_forked_child_does_not_take_its_parents_kept_mappings(kept, monkeypatch):
+    segment = _segment(1)
+    _worker._hold_copy(segment.name, len(segment))
+    assert _worker._kept
+    monkeypatch.setattr(_worker, "_kept_pid", -1)  # as a forked child sees it
+    holder = _worker._hold_copy(segment.name, len(segment))
+    assert list(_worker._kept) == [segment.name]
+    assert holder.base.obj is _held(segment.name)  # mapped afresh, in this process's table
