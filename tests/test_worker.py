@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import plain_workers
+import pytest
 from plain_workers import Blob, Point
 
 import sharexec
@@ -60,3 +61,21 @@ def test_a_large_buffer_returned_without_numpy_still_comes_through_a_segment(
 def test_a_long_list_of_plain_values_comes_back(executor):
     values = [*range(1000), "a", 2.5, None]
     assert executor.submit(plain_workers.echo, values).result() == values
+
+
+def test_a_worker_is_not_restarted_for_shared_memory_it_merely_maps(start_method, no_leaks):
+    """loky restarts a worker whose resident memory grew past a limit (a leak, for it);
+    reading a shared array counts no private memory: the worker stays."""
+    pytest.importorskip("psutil")
+    import workers
+
+    big = sharexec.ones(8 << 20)  # 64 MB, four times the limit set in the worker
+    with sharexec.SharedProcessPoolExecutor(
+        1,
+        mp_context=start_method,
+        initializer=workers.keep_mapped_and_tighten_loky_leak_check,
+        initargs=(big,),
+    ) as ex:
+        first = ex.submit(workers.read_mapped, False).result()  # loky's reference size
+        pids = [ex.submit(workers.read_mapped, True).result() for _ in range(4)]
+    assert pids == [first] * 4

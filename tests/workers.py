@@ -169,3 +169,23 @@ def keep_and_sum(a: np.ndarray) -> float:
 
 def kept_sums() -> list[float]:
     return [float(k.sum()) for k in _kept]
+
+
+_mapped: list[Any] = []
+
+
+def keep_mapped_and_tighten_loky_leak_check(a: np.ndarray) -> None:
+    """An initializer: keep a (shared) array for later tasks, and make loky's leak check
+    run after every task with a 16 MB limit (its defaults: every second, 300 MB)."""
+    from loky import process_executor
+
+    _mapped.append(a)
+    process_executor._MEMORY_LEAK_CHECK_DELAY = 0.0
+    process_executor._MAX_MEMORY_LEAK_SIZE = 16 << 20
+
+
+def read_mapped(touch: bool) -> int:
+    """Read every page of the kept array (or not); return this worker's pid."""
+    if touch:
+        float(_mapped[0].sum())
+    return os.getpid()
