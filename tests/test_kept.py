@@ -178,3 +178,20 @@ def test_a_forked_child_does_not_take_its_parents_kept_mappings(kept, monkeypatc
     holder = _worker._hold_copy(segment.name, len(segment))
     assert list(_worker._kept) == [segment.name]
     assert holder.base.obj is _held(segment.name)  # mapped afresh, in this process's table
+
+
+def test_a_worker_is_not_restarted_for_the_copies_it_keeps_mapped(start_method, no_leaks):
+    """loky restarts a worker whose resident memory grew past a limit; kept mappings of
+    copies it only read are shared memory, not a leak: the worker stays."""
+    pytest.importorskip("psutil")
+    arrays = [np.full(4 << 20, float(i)) for i in range(3)]  # 32 MB each, twice the limit
+    with sharexec.SharedProcessPoolExecutor(
+        1,
+        mp_context=start_method,
+        initializer=workers.keep_mapped_and_tighten_loky_leak_check,
+        initargs=(np.zeros(1),),
+    ) as ex:
+        first = ex.submit(workers.read_mapped, False).result()  # loky's reference size
+        for a in arrays * 2:
+            assert ex.submit(workers.tag_and_sum, a).result()[0] == a.sum()
+        assert ex.submit(workers.read_mapped, False).result() == first
