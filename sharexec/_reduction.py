@@ -802,9 +802,8 @@ def _give_back(token: int, mapping: Mapping) -> None:
         transport.give_back(mapping)
 
 
-def receive(name: str, size: int, token: int) -> tuple[Any, bool]:
-    """In the parent: the buffer a result's segment is rebuilt over, and whether the
-    segment was one lent to the task.
+def receive(name: str, size: int, token: int) -> Any:
+    """In the parent: the buffer a result's segment is rebuilt over.
 
     A lent segment is mapped here already; a fresh one is adopted; both go to the pool
     of transport ``token`` once the result is collected. A file (spilled) is mapped and
@@ -813,10 +812,10 @@ def receive(name: str, size: int, token: int) -> tuple[Any, bool]:
     with _lent_lock:
         mapping = _lent.pop(name, None)
     if mapping is not None:
-        return _hold(mapping, token), True
+        return _hold(mapping, token)
     if os.path.isabs(name):
-        return _tracking.adopt_private(name, size), False
-    return _hold(_tracking.adopt(name, size), token), False
+        return _tracking.adopt_private(name, size)
+    return _hold(_tracking.adopt(name, size), token)
 
 
 def is_lent(name: str) -> bool:

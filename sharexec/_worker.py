@@ -472,7 +472,7 @@ def load_result(payload: bytes, buffers: list[BufferRef], released: list[str], t
     received: list[str] = []
 
     def receive(name: str, size: int) -> Any:
-        buffer, _ = _reduction.receive(name, size, token)
+        buffer = _reduction.receive(name, size, token)
         received.append(name)
         return memoryview(buffer)
 
