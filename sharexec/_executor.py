@@ -39,7 +39,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
@@ -218,16 +217,17 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         self._transport.counts["tasks_submitted"] += 1
         try:
             future: Future[T] = super().submit(run, task)
-            future.__class__ = _Future  # still loky's Future; unwraps what load_result made
+            # Still loky's Future, which unwraps what load_result made and releases the
+            # task's segments before anyone sees it done (no reference to the executor
+            # here, so that a future never keeps it alive).
+            future.__class__ = _Future
+            future.task = task  # type: ignore[attr-defined]
         except ShutdownExecutorError as exc:
             raise RuntimeError(str(exc)) from None  # the stdlib's plain RuntimeError
         finally:
             # Only now may the feeder send it (so set_result comes after the swap); and
             # always, even if loky raised after queueing it: the feeder must never wait.
             task.set_ready()
-        # The first callback, before any of the user's: the call's segments are released
-        # (no reference to the executor here, so that a future never keeps it alive).
-        future.add_done_callback(partial(_finished, task))
         return future
 
     def statistics(self) -> Statistics:
@@ -282,29 +282,43 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             self._init_task.release()
 
 
-def _finished(task: Task, future: Future[Any]) -> None:
-    task.release(getattr(future, "delivered", None))
-    future.delivered = None  # type: ignore[attr-defined]  # what it held is released
-    task.transport.counts["tasks_done"] += 1
-
-
 class _Future(_LokyFuture):  # type: ignore[misc]
-    """loky's future, except that a result which failed to rebuild is raised, not returned.
+    """loky's future, which releases its task's segments as soon as it is done, and raises
+    a result that failed to rebuild instead of returning it.
 
-    Its class is set on the future loky made in ``submit`` (it adds no state): so the
+    Its class is set on the future loky made in ``submit`` (with its ``task``): so the
     manager thread's ``set_result`` fails this one future instead of the whole pool.
     """
 
-    delivered: Delivered | None = None  # for the task's release (see _finished)
+    task: Task | None = None  # until released
 
     def set_result(self, result: Any) -> None:
         if type(result) is RebuildFailure:
             self.set_exception(result.error)
         elif type(result) is Delivered:
-            self.delivered = result
+            self._release(result)
             super().set_result(result.value)
         else:  # a plain value, sent back as it is (see _worker.run)
+            self._release(None)
             super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self._release(None)
+        super().set_exception(exception)
+
+    def cancel(self) -> bool:
+        cancelled: bool = super().cancel()
+        if cancelled:
+            self._release(None)
+        return cancelled
+
+    def _release(self, delivered: Delivered | None) -> None:
+        """Release the task's segments, once, before the future is seen done."""
+        with self._condition:
+            task, self.task = self.task, None
+        if task is not None:
+            task.release(delivered)
+            task.transport.counts["tasks_done"] += 1
 
 
 # ---------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import time
 import types
 import weakref
 from collections import ChainMap, Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, ClassVar
@@ -63,7 +63,7 @@ from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
 from ._segments import Mapping
-from ._worker import BufferRef, Delivered, load_call, load_function
+from ._worker import BufferRef, Delivered, is_plain, load_call, load_function
 from .errors import SegmentError
 
 logger = logging.getLogger("sharexec")
@@ -449,10 +449,41 @@ class Transport:
         self._functions: weakref.WeakKeyDictionary[Callable[..., Any], bytes | None] = (
             weakref.WeakKeyDictionary()
         )
+        self._context: bytes | None = None  # see context()
 
     def number(self) -> int:
         """The next number: every task numbered below it was submitted before now."""
         return next(self._numbers)
+
+    def context(self) -> bytes:
+        """What every call tells its worker about this executor, pickled once: the
+        options, the address of the session's sweeper (started if need be), and the
+        token by which results find this transport (see ``_worker.load_call``)."""
+        if self._context is None:
+            about = (self.options, _tracking.sweeper_address(), self.token)
+            self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)
+        return self._context
+
+    def plain_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes | None:
+        """The pickle of a call that cannot hold a buffer, made by the standard pickler;
+        None if the call must take the pass (:func:`dumps`).
+
+        Every argument is plain (``_worker.is_plain``: atoms, short tuples and lists of
+        them) and the function is pickled by name, or by the pickle cached for it: the
+        pass would write the very same call, at a third of the cost (it runs Python code
+        for every object). Many tiny tasks take this road.
+        """
+        if type(fn) is not types.FunctionType or not all(map(is_plain, args)):
+            return None
+        if kwargs and not all(map(is_plain, kwargs.values())):
+            return None
+        ref: Any = fn
+        if _pickled_by_value(fn):
+            payload = self.function_payload(fn)
+            if payload is None:
+                return None
+            ref = _FunctionRef(payload)
+        return pickle.dumps((ref, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
 
     def function_payload(self, fn: types.FunctionType) -> bytes | None:
         """The pickle of ``fn``, made once while ``fn`` lives, or None if it must not be cached.
@@ -474,14 +505,14 @@ class Transport:
             self._functions[fn] = payload
         return payload
 
-    def hold(self, copies: list[Mapping]) -> None:
+    def hold(self, copies: Sequence[Mapping]) -> None:
         """A task in flight now refers to these copies."""
         with self._lock:
             for mapping in copies:
                 entry = self._held.setdefault(id(mapping), [mapping, 0, True])
                 entry[1] += 1
 
-    def let_go(self, copies: list[Mapping], released: frozenset[str]) -> None:
+    def let_go(self, copies: Sequence[Mapping], released: frozenset[str]) -> None:
         """A task is done; ``released``: the copies its worker no longer maps.
 
         A copy that no task holds and every worker released goes to the pool; any other
@@ -556,8 +587,10 @@ class Transport:
         """
         with self._lock:
             sizes = self._result_sizes.get(function) if function is not None else None
+        if not sizes:
+            return []
         lent = []
-        for size in sizes or ():
+        for size in sizes:
             mapping = self.take_pooled(size)
             if mapping is not None:
                 mapping.source = None
@@ -687,12 +720,38 @@ def _pickled_by_value(fn: types.FunctionType) -> bool:
     return found is not fn
 
 
+class _FunctionRef:
+    """A function in a plain pickle, by the pickle cached for it (see ``plain_call``)."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def __reduce__(self) -> Any:
+        return load_function, (self.payload,)
+
+
 class Task:
     """A call on its way to a worker.
 
     Loky pickles it when the call leaves its queue (as the stdlib does): only then are
     its large arguments copied, so memory is bounded by the tasks in flight.
     """
+
+    # Slots, and tuples for empty lists: every object a task allocates is one more for
+    # the garbage collector to walk while thousands of tiny tasks are pending.
+    __slots__ = (
+        "_unready",
+        "call",
+        "copies",
+        "function",
+        "keep",
+        "lent",
+        "number",
+        "sent",
+        "transport",
+    )
 
     def __init__(
         self,
@@ -706,10 +765,10 @@ class Task:
         self.transport = transport
         self.number = transport.number()  # its place in submission order
         self.sent = False
-        self.keep: list[Mapping] = []
-        self.copies: list[Mapping] = []
+        self.keep: Sequence[Mapping] = ()
+        self.copies: Sequence[Mapping] = ()
         self.function = _function_key(fn)  # whose last results size what is lent
-        self.lent: list[Mapping] = []  # warm segments lent for the result
+        self.lent: Sequence[Mapping] = ()  # warm segments lent for the result
         # Held until the executor has finished setting up the task's future: the task
         # cannot reach a worker (and its result the future) before that. A bare lock,
         # released by another thread: an Event costs more than the rest of Task().
@@ -729,6 +788,19 @@ class Task:
         if self.sent:  # sent again (an initializer, for a new worker): as if submitted now
             self.number = self.transport.number()
         self.sent = True
+        fn, args, kwargs = self.call
+        payload = self.transport.plain_call(fn, args, kwargs)
+        buffers: list[BufferRef] = []
+        if payload is None:
+            payload, buffers = self._pass()
+        self._take_back_lent()
+        self.lent = self.transport.lend(self.function)
+        lent = [(m.name, len(m)) for m in self.lent]
+        return load_call, (payload, buffers, lent, self.transport.context())
+
+    def _pass(self) -> tuple[bytes, list[BufferRef]]:
+        """Reduce the call by the pass: its large buffers copied (or reused), held."""
+        assert self.call is not None
         _, args, kwargs = self.call
         given = frozenset(id(x) for x in (*args, *kwargs.values()) if isinstance(x, np.ndarray))
         options = self.transport.options
@@ -738,12 +810,7 @@ class Task:
         self.keep, self.copies = packed.keep, packed.copies  # until release()
         if self.copies:
             self.transport.hold(self.copies)
-        self._take_back_lent()
-        self.lent = self.transport.lend(self.function)
-        lent = [(m.name, len(m)) for m in self.lent]
-        sweeper = _tracking.sweeper_address()
-        home = (self.transport.token, lent)
-        return load_call, (packed.payload, packed.buffers, self.transport.options, sweeper, home)
+        return packed.payload, packed.buffers
 
     def release(self, delivered: Delivered | None = None) -> None:
         """Drop the call and its segments, as early as the task is done.
@@ -753,7 +820,7 @@ class Task:
         self.call = None
         if self.copies:
             self.transport.let_go(self.copies, delivered.released if delivered else frozenset())
-        self.keep, self.copies = [], []
+        self.keep, self.copies = (), ()
         self._take_back_lent()
         if delivered is not None:
             self.transport.learn(self.function, delivered.sizes)
@@ -765,7 +832,7 @@ class Task:
                 unused = _lent.pop(mapping.name, None) is not None
             if unused:
                 self.transport.give_back(mapping)
-        self.lent = []
+        self.lent = ()
 
 
 def _function_key(fn: Callable[..., Any]) -> tuple[str, str] | None:

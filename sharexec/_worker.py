@@ -46,6 +46,7 @@ __all__ = [
     "Delivered",
     "RebuildFailure",
     "Reply",
+    "is_plain",
     "load_call",
     "load_function",
     "load_result",
@@ -134,22 +135,36 @@ def _loads(
 def load_call(
     payload: bytes,
     buffers: list[BufferRef],
-    options: Options,
-    sweeper: bytes,
-    home: tuple[int, list[tuple[str, int]]],
+    lent: list[tuple[str, int]],
+    context: bytes,
 ) -> Any:
     """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared.
 
-    ``home``: the number of the sending transport, and the warm segments it lent for the
-    result, (name, size).
+    ``lent``: the warm segments the parent lent for the result, (name, size);
+    ``context``: what the executor tells each call, pickled once (see :func:`_context`).
     """
+    options, sweeper, token = _context(context)
     _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
     holders: dict[str, Any] = {}
     if _kept:
         _drop_unlinked()
     call = _loads(payload, buffers, _hold_copy, holders)
     # A list, so that run() can empty it: loky's call item holds it during the call.
-    return [call, options, [(n, weakref.ref(h)) for n, h in holders.items()], home]
+    return [call, options, [(n, weakref.ref(h)) for n, h in holders.items()], (token, lent)]
+
+
+# The contexts of the calls this worker received, by their pickle (one per executor).
+_contexts: dict[bytes, tuple[Options, bytes, int]] = {}
+
+
+def _context(blob: bytes) -> tuple[Options, bytes, int]:
+    """The executor's options, its sweeper's address and its transport's token."""
+    found = _contexts.get(blob)
+    if found is None:
+        if len(_contexts) >= 8:
+            _contexts.clear()
+        found = _contexts[blob] = pickle.loads(blob)
+    return found
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,7 +364,7 @@ def run(call: Any) -> Any:
     released = [name for name, ref in mapped if ref() is None]
     if mapped:
         _after_task(released)
-    if _is_plain(result):
+    if is_plain(result):
         if not mapped:  # nothing to tell the parent but the value
             return result
         return Reply(pickle.dumps(result, protocol=5), [], released, token)
@@ -363,19 +378,20 @@ def run(call: Any) -> Any:
     return Reply(packed.payload, packed.buffers, released, token, packed.keep)
 
 
-# Results that hold no buffer, whatever the pickler: plain pickle writes them as the
-# backward pass would (the C pickler saves these types itself, complex by copyreg).
+# Values that hold no buffer, whatever the pickler: plain pickle writes them as either
+# pass would (the C pickler saves these types itself, complex by copyreg). Results and
+# arguments made only of them skip the passes (see run, Transport.plain_call).
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PLAIN_ITEMS = 16  # a longer tuple or list takes the general road: no scan of its items
 
 
-def _is_plain(result: Any) -> bool:
-    """Whether ``result`` is an atom, or a short tuple or list of atoms."""
-    kind = type(result)
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is an atom, or a short tuple or list of atoms: it holds no buffer."""
+    kind = type(value)
     if kind in _ATOMS:
         return True
-    if (kind is tuple or kind is list) and len(result) <= _PLAIN_ITEMS:
-        return all(type(item) in _ATOMS for item in result)
+    if (kind is tuple or kind is list) and len(value) <= _PLAIN_ITEMS:
+        return all(type(item) in _ATOMS for item in value)
     return False
 
 

@@ -537,3 +537,130 @@ def test_warm_segments_are_reused_but_never_under_a_view_a_worker_kept(start_met
             assert future.result() == 400_000 * i
             names |= set(ex._transport.pooled())
         assert 1 <= len(names) <= 3
+
+
+# ---------------------------------------------------------------------------------------
+# Calls that cannot hold a buffer skip the pass (many tiny tasks)
+# ---------------------------------------------------------------------------------------
+
+
+def _scaled(x: float, *, by: float = 2.0) -> float:
+    return x * by
+
+
+scaled_by_value = eval("lambda x, by=2.0: x * by")  # reachable by no name: pickled by value
+ATOMS = (None, True, 3, 2.5, 1j, "text", b"bytes")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        (workers.identity, (ATOMS,), {}),
+        (workers.identity, (list(ATOMS),), {}),
+        (_scaled, (3.0,), {"by": 4.0}),
+        (scaled_by_value, (3.0,), {"by": 4.0}),
+        (scaled_by_value, (), {"x": 1.5}),
+    ],
+    ids=["atoms", "list-of-atoms", "kwargs", "by-value", "kwargs-only"],
+)
+def test_a_plain_call_pickles_as_the_pass_would(call: tuple[Any, ...]) -> None:
+    """The plain road writes what the pass writes, only cheaper."""
+    from sharexec import _reduction
+    from sharexec._config import Options
+
+    transport = _reduction.Transport(Options.resolve({}))
+    fn, args, kwargs = call
+    plain = transport.plain_call(fn, args, kwargs)
+    assert plain is not None
+    by_pass = _reduction.dumps(call, transport.options, transport)
+    assert by_pass.buffers == [] and by_pass.keep == []
+    (fn1, args1, kwargs1), (fn2, args2, kwargs2) = (
+        pickle.loads(plain),
+        pickle.loads(by_pass.payload),
+    )
+    assert (args1, kwargs1) == (args2, kwargs2) == (args, kwargs)
+    assert fn1(*args1, **kwargs1) == fn2(*args2, **kwargs2) == fn(*args, **kwargs)
+    # a by-value function is sent as the pickle cached for it, as the pass sends it
+    assert (fn1 is fn) == (fn2 is fn) == (fn is not scaled_by_value)
+
+
+def _closure() -> Any:
+    k = 2
+
+    def times_k(x: int) -> int:
+        return x * k
+
+    return times_k
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        (workers.identity, (np.ones(3),), {}),  # an array, even small: numpy's pickle
+        (workers.identity, (), {"x": np.ones(LARGE)}),
+        (workers.identity, ([1] * 17,), {}),  # long: not scanned
+        (workers.identity, ({"a": 1},), {}),
+        (workers.identity, (np.float64(1.0),), {}),
+        (workers.identity, (bytearray(b"x"),), {}),  # a protocol-5 buffer
+        (workers.identity, ((1, (2,)),), {}),  # nested
+        (_closure(), (3,), {}),  # by value, not cacheable: its cells may change
+        (len, ("abc",), {}),  # not a Python function
+    ],
+    ids=[
+        "small-array",
+        "large-array-kwarg",
+        "long-list",
+        "dict",
+        "numpy-scalar",
+        "bytearray",
+        "nested",
+        "closure",
+        "builtin",
+    ],
+)
+def test_a_call_that_may_hold_a_buffer_takes_the_pass(call: tuple[Any, ...]) -> None:
+    from sharexec import _reduction
+    from sharexec._config import Options
+
+    transport = _reduction.Transport(Options.resolve({}))
+    assert transport.plain_call(*call) is None
+
+
+def test_plain_calls_of_every_kind_of_function(executor):
+    k = 5
+    calls = [
+        (workers.identity, (ATOMS,), {}),
+        (_scaled, (3.0,), {"by": 4.0}),
+        (scaled_by_value, (), {"x": 1.5}),
+        (lambda x: x + k, (1,), {}),  # a closure: the pass
+        (divmod, (7, 2), {}),  # a builtin: the pass
+    ]
+    futures = [executor.submit(fn, *args, **kwargs) for fn, args, kwargs in calls * 50]
+    expected = [fn(*args, **kwargs) for fn, args, kwargs in calls * 50]
+    assert [f.result() for f in futures] == expected
+
+
+def test_a_cancelled_task_lets_go_of_its_arguments_and_counts_as_done(start_method, no_leaks):
+    import weakref
+    from multiprocessing import get_context
+
+    with (
+        sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex,
+        get_context("spawn").Manager() as manager,
+    ):
+        started, go = manager.Event(), manager.Event()
+        busy = ex.submit(workers.wait_then_read, np.ones(4), started, go)
+        assert started.wait(60)
+        # loky queues at most a few calls ahead of its one worker: the last is pending
+        queued = [ex.submit(workers.total, np.ones(SMALL)) for _ in range(5)]
+        argument = np.ones(LARGE)
+        alive = weakref.ref(argument)
+        last = ex.submit(workers.total, argument)
+        del argument
+        assert last.cancel()
+        assert alive() is None  # the cancelled call holds its arguments no more
+        go.set()
+        assert busy.result() == 1.0
+        assert [f.result() for f in queued] == [float(SMALL)] * 5
+        stats = ex.statistics()
+        assert stats.tasks_submitted == stats.tasks_done == 7
