@@ -37,16 +37,17 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from loky import ProcessPoolExecutor as _LokyExecutor
 from loky import cpu_count
+from loky import process_executor as _loky_executor
 from loky._base import Future as _LokyFuture
 from loky.backend.context import get_context as _loky_context
-from loky.process_executor import ShutdownExecutorError
+from loky.process_executor import _WorkItem
 
 from . import _tracking
 from ._config import Options
@@ -57,6 +58,7 @@ from ._worker import Delivered, RebuildFailure, run, run_initializer
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
 T = TypeVar("T")
+_NO_KEYWORDS: dict[str, Any] = {}  # loky's keywords for run(task): never changed
 
 
 def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
@@ -179,7 +181,7 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         # each worker start: it lives as long as the executor.
         self._init_task: Task | None = None
         if initializer is not None:
-            self._init_task = Task(initializer, tuple(initargs), {}, self._transport, ready=True)
+            self._init_task = Task(initializer, tuple(initargs), {}, self._transport)
         initializer, initargs = run_initializer, (os.getpid(), self._init_task)
         super().__init__(
             max_workers=max_workers,
@@ -213,21 +215,26 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         Large array arguments are moved into shared memory when the call is sent to a
         worker, and large array results come back the same way.
         """
+        # loky's submit, except that the future is ours from the start: the task is
+        # complete before the feeder thread can pickle it, and no more objects than
+        # loky's own are left for the garbage collector per pending call.
         task = Task(fn, args, kwargs, self._transport)
+        future: _Future = _Future(task)
+        flags = self._flags
+        with flags.shutdown_lock:
+            if flags.broken is not None:
+                raise flags.broken
+            if flags.shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if _loky_executor._global_shutdown:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            work_id: int = self._queue_count  # type: ignore[has-type]
+            self._pending_work_items[work_id] = _WorkItem(future, run, (task,), _NO_KEYWORDS)
+            self._work_ids.put(work_id)
+            self._queue_count = work_id + 1
+            self._executor_manager_thread_wakeup.wakeup()  # it queues the call for a worker
+            self._ensure_executor_running()
         self._transport.counts["tasks_submitted"] += 1
-        try:
-            future: Future[T] = super().submit(run, task)
-            # Still loky's Future, which unwraps what load_result made and releases the
-            # task's segments before anyone sees it done (no reference to the executor
-            # here, so that a future never keeps it alive).
-            future.__class__ = _Future
-            future.task = task  # type: ignore[attr-defined]
-        except ShutdownExecutorError as exc:
-            raise RuntimeError(str(exc)) from None  # the stdlib's plain RuntimeError
-        finally:
-            # Only now may the feeder send it (so set_result comes after the swap); and
-            # always, even if loky raised after queueing it: the feeder must never wait.
-            task.set_ready()
         return future
 
     def statistics(self) -> Statistics:
@@ -264,6 +271,11 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         As :meth:`concurrent.futures.Executor.map`. The chunks of a large array passed
         as items (``np.array_split(a, 64)``) are each copied once into shared memory.
         """
+        if chunksize == 1:
+            # A call per item, submitted as it is: loky (as the stdlib) would wrap each in
+            # a one-item chunk, a partial that no call with plain arguments could skip the
+            # pickling pass with (see Transport.plain_call).
+            return Executor.map(self, fn, *iterables, timeout=timeout)
         results: Iterator[T] = super().map(fn, *iterables, timeout=timeout, chunksize=chunksize)
         return results
 
@@ -286,11 +298,13 @@ class _Future(_LokyFuture):  # type: ignore[misc]
     """loky's future, which releases its task's segments as soon as it is done, and raises
     a result that failed to rebuild instead of returning it.
 
-    Its class is set on the future loky made in ``submit`` (with its ``task``): so the
-    manager thread's ``set_result`` fails this one future instead of the whole pool.
+    The manager thread's ``set_result`` fails this one future instead of the whole pool.
+    No reference to the executor, so that a future never keeps it alive.
     """
 
-    task: Task | None = None  # until released
+    def __init__(self, task: Task) -> None:
+        super().__init__()
+        self.task: Task | None = task  # until released
 
     def set_result(self, result: Any) -> None:
         if type(result) is RebuildFailure:

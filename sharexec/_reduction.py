@@ -742,11 +742,12 @@ class Task:
     # Slots, and tuples for empty lists: every object a task allocates is one more for
     # the garbage collector to walk while thousands of tiny tasks are pending.
     __slots__ = (
-        "_unready",
-        "call",
+        "args",
         "copies",
+        "fn",
         "function",
         "keep",
+        "kwargs",
         "lent",
         "number",
         "sent",
@@ -759,52 +760,42 @@ class Task:
         args: Any,
         kwargs: Any,
         transport: Transport,
-        ready: bool = False,
     ) -> None:
-        self.call: tuple[Any, ...] | None = (fn, args, kwargs)
+        # The call, until the task is done; None for no keywords (one dict less per task).
+        self.fn: Callable[..., Any] | None = fn
+        self.args: tuple[Any, ...] | None = args
+        self.kwargs: dict[str, Any] | None = kwargs or None
         self.transport = transport
         self.number = transport.number()  # its place in submission order
         self.sent = False
         self.keep: Sequence[Mapping] = ()
         self.copies: Sequence[Mapping] = ()
-        self.function = _function_key(fn)  # whose last results size what is lent
+        self.function: tuple[str, str] | None = None  # whose last results size what is lent
         self.lent: Sequence[Mapping] = ()  # warm segments lent for the result
-        # Held until the executor has finished setting up the task's future: the task
-        # cannot reach a worker (and its result the future) before that. A bare lock,
-        # released by another thread: an Event costs more than the rest of Task().
-        self._unready = threading.Lock()
-        if not ready:
-            self._unready.acquire()
-
-    def set_ready(self) -> None:
-        """The task may leave now (called once, by the thread that submitted it)."""
-        self._unready.release()
 
     def __reduce__(self) -> Any:
-        if self.call is None:
+        fn, args, kwargs = self.fn, self.args, self.kwargs or {}
+        if fn is None or args is None:
             raise RuntimeError("this task was already completed")
-        with self._unready:  # waits for set_ready()
-            pass
         if self.sent:  # sent again (an initializer, for a new worker): as if submitted now
             self.number = self.transport.number()
         self.sent = True
-        fn, args, kwargs = self.call
         payload = self.transport.plain_call(fn, args, kwargs)
         buffers: list[BufferRef] = []
         if payload is None:
-            payload, buffers = self._pass()
+            payload, buffers = self._pass((fn, args, kwargs))
         self._take_back_lent()
+        self.function = _function_key(fn)
         self.lent = self.transport.lend(self.function)
         lent = [(m.name, len(m)) for m in self.lent]
         return load_call, (payload, buffers, lent, self.transport.context())
 
-    def _pass(self) -> tuple[bytes, list[BufferRef]]:
+    def _pass(self, call: tuple[Any, Any, Any]) -> tuple[bytes, list[BufferRef]]:
         """Reduce the call by the pass: its large buffers copied (or reused), held."""
-        assert self.call is not None
-        _, args, kwargs = self.call
+        _, args, kwargs = call
         given = frozenset(id(x) for x in (*args, *kwargs.values()) if isinstance(x, np.ndarray))
         options = self.transport.options
-        packed = dumps(self.call, options, self.transport, task=self.number, arguments=given)
+        packed = dumps(call, options, self.transport, task=self.number, arguments=given)
         if self.copies:  # a previous reduction's
             self.transport.let_go(self.copies, frozenset())
         self.keep, self.copies = packed.keep, packed.copies  # until release()
@@ -817,7 +808,7 @@ class Task:
 
         ``delivered``: its result, if it came back (see :class:`Delivered`).
         """
-        self.call = None
+        self.fn = self.args = self.kwargs = None
         if self.copies:
             self.transport.let_go(self.copies, delivered.released if delivered else frozenset())
         self.keep, self.copies = (), ()

@@ -72,8 +72,7 @@ def run_initializer(parent_pid: int, call: Any) -> None:
     if isinstance(call, list):
         (fn, args, kwargs), *_ = call
     else:
-        assert call.call is not None
-        fn, args, kwargs = call.call
+        fn, args, kwargs = call.fn, call.args, call.kwargs or {}
     fn(*args, **kwargs)
 
 

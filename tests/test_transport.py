@@ -294,7 +294,7 @@ def test_a_copy_serves_tasks_submitted_before_it_as_is_and_later_ones_once_compa
     a = np.ones(LARGE)
 
     def submitted() -> _reduction.Task:
-        return _reduction.Task(workers.total, (a,), {}, transport, ready=True)
+        return _reduction.Task(workers.total, (a,), {}, transport)
 
     def segment(task: _reduction.Task) -> str:
         _, (_, buffers, *_) = task.__reduce__()
@@ -349,10 +349,7 @@ def test_a_buffer_made_while_pickling_is_compared_never_trusted(
     from sharexec._config import Options
 
     transport = _reduction.Transport(Options.resolve({}))
-    burst = [
-        _reduction.Task(workers.total, (kind(float(i)),), {}, transport, ready=True)
-        for i in range(3)
-    ]
+    burst = [_reduction.Task(workers.total, (kind(float(i)),), {}, transport) for i in range(3)]
     for task in burst:  # all submitted before the first is sent
         task.__reduce__()
     sent = [np.frombuffer(task.keep[0], np.float64, LARGE) for task in burst]
