@@ -78,17 +78,54 @@ _POOL_IDLE_SECONDS = 10.0  # a pooled segment unused this long is dropped
 def _same_bytes(a: int, b: int, n: int) -> bool:
     """Whether the ``n`` bytes at addresses ``a`` and ``b`` are equal.
 
-    libc's memcmp, about twice as fast as numpy's comparison here (and it releases the
-    GIL); numpy, in slices (no n-byte temporary), where there is no libc to call.
+    libc's memcmp, about twice as fast as numpy's comparison here; it releases the GIL,
+    so a large comparison runs in slices on several cores (128 MiB: 18 ms on one, 10 ms
+    on two). Numpy, in slices (no n-byte temporary), where there is no libc to call.
     """
     if _memcmp is not None:
-        return int(_memcmp(a, b, n)) == 0
+        memcmp = _memcmp
+        return all(_in_parallel(n, lambda low, high: memcmp(a + low, b + low, high - low) == 0))
     x = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(a))
     y = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(b))
     return all(
         np.array_equal(x[i : i + _COMPARE_CHUNK], y[i : i + _COMPARE_CHUNK])
         for i in range(0, n, _COMPARE_CHUNK)
     )
+
+
+def _in_parallel(n: int, work: Callable[[int, int], bool]) -> list[bool]:
+    """``work(low, high)`` over slices of ``range(n)``, on as many cores as help.
+
+    For work that releases the GIL: a slice per core (at most 4), none under
+    _PARALLEL_SLICE bytes; the calling thread takes the first. What a slice raised is
+    raised here, once every slice has ended.
+    """
+    slices = max(1, min(_CORES, 4, n // _PARALLEL_SLICE))
+    if slices == 1:
+        return [work(0, n)]
+    bounds = [n * i // slices for i in range(slices + 1)]
+    done = [False] * slices
+    failed: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            done[i] = work(bounds[i], bounds[i + 1])
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, slices)]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return done
+
+
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_PARALLEL_SLICE = 16 << 20  # below this, a thread's start costs more than it saves
 
 
 def _load_memcmp() -> Any:
@@ -338,8 +375,17 @@ class Pass:
         if mapping is None:
             return None
         self._count("bytes_copied", raw.nbytes)
-        np.frombuffer(mapping, np.uint8, raw.nbytes)[:] = np.frombuffer(raw, np.uint8)
-        if self.transport is not None:
+        target, source = np.frombuffer(mapping, np.uint8, raw.nbytes), np.frombuffer(raw, np.uint8)
+        if self.transport is None:  # a worker: the other workers have the other cores
+            target[:] = source
+        else:  # the parent, dispatching: its workers wait for this copy (128 MiB, warm:
+            # 19 ms on one core, 10 ms on two; fresh: 61 and 34 ms)
+
+            def copy(low: int, high: int) -> bool:
+                target[low:high] = source[low:high]  # numpy releases the GIL
+                return True
+
+            _in_parallel(raw.nbytes, copy)
             self.transport.remember_copy(raw, low, mapping, made)
         return mapping
 

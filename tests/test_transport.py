@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import pickle
 from typing import Any
@@ -275,6 +276,47 @@ def test_changed_array_is_never_served_a_stale_copy(executor):
         assert held.result() == LARGE
     assert same == LARGE
     assert changed == LARGE - 1 + 1000.0
+
+
+def test_large_copies_and_comparisons_run_in_slices_and_miss_no_byte(executor, monkeypatch):
+    """Copies and comparisons of 16 MiB or more run on several cores in the parent: a
+    change in the last slice is seen, and every byte of every slice arrives."""
+    from sharexec import _reduction
+
+    monkeypatch.setattr(_reduction, "_CORES", 3)  # 3 slices, even on a 2-core machine
+    a = np.random.default_rng(5).random(6_000_000 + 3)  # 48 MB and a ragged end
+    a_sum = float(a.sum())
+    from multiprocessing import get_context
+
+    with get_context("spawn").Manager() as manager:
+        go = manager.Event()
+        held = executor.submit(workers.hold, a, go)  # keeps the copy in flight
+        assert executor.submit(workers.total, a).result() == pytest.approx(a_sum, rel=1e-12)
+        a[-1] += 1000.0  # in the last slice of the comparison
+        changed = executor.submit(workers.describe, a).result()
+        go.set()
+        assert held.result() == pytest.approx(a_sum, rel=1e-12)
+    np.testing.assert_array_equal(changed["copy"], a)
+
+
+def test_a_slice_that_fails_fails_the_whole_and_every_slice_ends_first(monkeypatch):
+    from sharexec import _reduction
+
+    monkeypatch.setattr(_reduction, "_CORES", 4)
+    n = 4 * _reduction._PARALLEL_SLICE + 5
+    seen: list[tuple[int, int]] = []
+
+    def work(low: int, high: int) -> bool:
+        seen.append((low, high))
+        if low > 0 and high == n:
+            raise OSError("the last slice failed")
+        return True
+
+    with pytest.raises(OSError, match="last slice"):
+        _reduction._in_parallel(n, work)
+    seen.sort()
+    assert len(seen) == 4 and seen[0][0] == 0 and seen[-1][1] == n
+    assert all(high == low for (_, high), (low, _) in itertools.pairwise(seen))
 
 
 def test_a_copy_serves_tasks_submitted_before_it_as_is_and_later_ones_once_compared(
