@@ -35,6 +35,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from functools import partial
 
 from . import _segments
@@ -276,11 +277,29 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
     if mapping is not None:
         if adopt and mapping.owner is None:
             _own(mapping)  # the sweeper moved it to the root already (H)
-        return mapping
-    mapping = _segments.attach(name, size, private=False)
-    if adopt:
-        _own(mapping)
-    return _register(mapping)
+    else:
+        mapping = _segments.attach(name, size, private=False)
+        if adopt:
+            _own(mapping)
+        mapping = _register(mapping)
+    seen = getattr(_attaching, "shared", None)
+    if seen is not None:
+        seen.append(mapping)
+    return mapping
+
+
+_attaching = threading.local()  # .shared: see attached_shared
+
+
+@contextlib.contextmanager
+def attached_shared() -> Iterator[list[Mapping]]:
+    """The shared segments this thread maps (or finds mapped) within the block."""
+    seen: list[Mapping] = []
+    _attaching.shared = seen
+    try:
+        yield seen
+    finally:
+        _attaching.shared = None
 
 
 def attach_private(name: str, size: int) -> Mapping:

@@ -147,7 +147,10 @@ def load_call(
     holders: dict[str, Any] = {}
     if _kept:
         _drop_unlinked()
-    call = _loads(payload, buffers, _hold_copy, holders)
+    with _tracking.attached_shared() as shared:
+        call = _loads(payload, buffers, _hold_copy, holders)
+    if shared:
+        _keep_shared(shared)
     # A list, so that run() can empty it: loky's call item holds it during the call.
     return [call, options, [(n, weakref.ref(h)) for n, h in holders.items()], (token, lent)]
 
@@ -167,13 +170,15 @@ def _context(blob: bytes) -> tuple[Options, bytes, int]:
 
 
 # ---------------------------------------------------------------------------------------
-# Argument copies kept between tasks
+# Argument mappings kept between tasks
 # ---------------------------------------------------------------------------------------
 #
 # A worker keeps the private (copy-on-write) mappings of the argument copies its tasks
 # received, and a later task that names the same segment reuses one instead of mapping it
 # afresh, which costs page faults and an munmap (summing 128 MiB: 22 ms through a fresh
-# mapping, 15 ms through a kept one).
+# mapping, 15 ms through a kept one). It keeps the mappings of the shared arrays its tasks
+# received too (_keep_shared), under the same bounds: those need no check, every process
+# sees the same pages.
 #
 # * Each task gets its own holder of a copy's bytes (an array over the mapping, see
 #   _hold_copy): the task's arrays are views of it, and the copy is *released* (the
@@ -271,6 +276,20 @@ def _keep(kept: OrderedDict[str, _Kept], name: str, entry: _Kept) -> None:
     if _dropper_pid != os.getpid():
         _dropper_pid = os.getpid()
         threading.Thread(target=_drop_when_idle, name="sharexec-kept-copies", daemon=True).start()
+
+
+def _keep_shared(mappings: list[Mapping]) -> None:
+    """Keep the mappings of the shared segments a call used, for later tasks to find
+    mapped (``_tracking.attach_shared``): mapping 128 MiB afresh costs a task 7 ms of page
+    faults. Not those this worker owns (handed to it): their views decide when they go."""
+    global _last_task
+    with _kept_lock:
+        kept = _kept_here()
+        for mapping in mappings:
+            if mapping.owner is None:
+                entry = kept.pop(mapping.name, None)
+                _keep(kept, mapping.name, _Kept(mapping) if entry is None else entry)
+        _last_task = time.monotonic()
 
 
 def _after_task(released: list[str]) -> None:

@@ -18,6 +18,7 @@ import workers
 
 import sharexec
 from sharexec import _segments, _tracking, _worker
+from sharexec._arrays import byte_bounds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,6 +37,26 @@ def test_a_worker_reuses_its_mapping_of_a_copy(start_method, no_leaks):
         second = ex.submit(workers.tag_and_sum, a).result()
     assert first[0] == second[0] == a.sum()
     assert first[1] == second[1]  # the same mapping: not mapped afresh
+
+
+def test_a_worker_keeps_its_mapping_of_a_shared_array_until_the_parent_frees_it(
+    start_method, no_leaks
+):
+    import gc
+
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        ex.submit(os.getpid).result()  # started first: a forked worker inherits no array
+        shared = sharexec.zeros(LARGE)
+        name = _tracking.find_shared(*byte_bounds(shared))[0].name
+        first = ex.submit(workers.tag_and_sum, shared).result()
+        ex.submit(workers.fill, shared, 2.0).result()  # a write, seen by the parent
+        second = ex.submit(workers.tag_and_sum, shared).result()
+        assert first[1] == second[1]  # the same mapping: not mapped afresh
+        assert (first[0], second[0]) == (0.0, 2.0 * LARGE) and shared[-1] == 2.0
+        assert name in ex.submit(workers.shared_mapped).result()
+        del shared
+        gc.collect()  # the parent frees it: the worker lets its mapping go at the next call
+        assert name not in ex.submit(workers.shared_mapped).result()
 
 
 def test_a_copy_a_task_wrote_into_is_pristine_for_the_next(start_method, no_leaks):
@@ -147,6 +168,13 @@ def test_kept_mappings_stay_within_their_bounds(kept, monkeypatch):
     huge = _segment(9, 4 << 20)
     _worker._hold_copy(huge.name, len(huge))
     assert list(_worker._kept) == [segments[2].name, big.name]  # never kept
+
+
+def test_shared_mappings_are_kept_unless_this_process_owns_them(kept):
+    owned = _tracking.new_shared(1 << 20)  # its views decide when it goes: not kept
+    attached = _segments.attach(owned.name, len(owned), private=False)
+    _worker._keep_shared([owned, attached])
+    assert [entry.mapping for entry in _worker._kept.values()] == [attached]
 
 
 def test_kept_mappings_of_freed_segments_are_dropped(kept):

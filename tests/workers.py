@@ -189,3 +189,10 @@ def read_mapped(touch: bool) -> int:
     if touch:
         float(_mapped[0].sum())
     return os.getpid()
+
+
+def shared_mapped() -> list[str]:
+    """Names of the shared segments this process maps."""
+    from sharexec import _tracking
+
+    return sorted(_tracking._by_name)
