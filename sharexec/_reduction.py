@@ -63,7 +63,7 @@ from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
 from ._segments import Mapping
-from ._worker import BufferRef, Delivered, is_plain, load_call, load_function
+from ._worker import BufferRef, Delivered, attach_lent, is_plain, load_call, load_function
 from .errors import SegmentError
 
 logger = logging.getLogger("sharexec")
@@ -288,7 +288,7 @@ class Pass:
         if lent is not None:
             self.lent.remove(lent)
             try:
-                return _tracking.attach_lent(*lent)
+                return attach_lent(*lent)  # in a worker: kept between the tasks lent it
             except SegmentError:  # gone: the executor was shut down meanwhile
                 pass
         try:

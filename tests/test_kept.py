@@ -59,6 +59,24 @@ def test_a_worker_keeps_its_mapping_of_a_shared_array_until_the_parent_frees_it(
         assert name not in ex.submit(workers.shared_mapped).result()
 
 
+def test_results_written_through_kept_lent_mappings_never_touch_live_results(
+    start_method, no_leaks
+):
+    """A worker keeps its mapping of a segment lent for a result and writes through it
+    when the segment is lent again: only once the result it held was collected."""
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        older: list[np.ndarray] = []
+        for round_ in range(4):
+            values = [10.0 * round_ + i for i in range(3)]
+            results = [ex.submit(workers.make_private, LARGE, v).result() for v in values]
+            for got, value in zip(results, values, strict=True):
+                assert got[0] == got[-1] == value and float(got.sum()) == value * LARGE
+            for got, value in older:  # alive all along: never lent, never written
+                assert float(got.sum()) == value * LARGE
+            older = list(zip(results, values, strict=True))[:1]  # the rest goes to the pool
+            del results
+
+
 def test_a_copy_a_task_wrote_into_is_pristine_for_the_next(start_method, no_leaks):
     a = np.full(LARGE, 1.0)
     with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
@@ -175,6 +193,28 @@ def test_shared_mappings_are_kept_unless_this_process_owns_them(kept):
     attached = _segments.attach(owned.name, len(owned), private=False)
     _worker._keep_shared([owned, attached])
     assert [entry.mapping for entry in _worker._kept.values()] == [attached]
+
+
+def test_a_lent_segment_is_written_shared_and_its_mapping_kept_for_the_next_loan(kept):
+    segment = _segment(1)
+    _worker._hold_copy(segment.name, len(segment))  # kept as a private copy first (no view)
+    lent = _worker.attach_lent(segment.name, len(segment))
+    lent[0:1] = b"\x2a"
+    assert segment[0] == 42  # written through to the segment, not copied on write
+    assert _worker.attach_lent(segment.name, len(segment)) is lent  # kept
+    name = segment.name
+    del segment  # the parent frees it (the executor shut down): lending it again fails
+    with pytest.raises(sharexec.SegmentError):
+        _worker.attach_lent(name, 1 << 20)
+
+
+def test_a_mapping_kept_shared_is_never_reused_for_a_private_copy(kept):
+    segment = _segment(1)
+    lent = _worker.attach_lent(segment.name, len(segment))
+    holder = _worker._hold_copy(segment.name, len(segment))  # the pool sends it as a copy
+    holder[0] = 99
+    assert segment[0] == lent[0] == 1  # the task's write stays its own
+    assert _worker._kept[segment.name].mapping.private
 
 
 def test_kept_mappings_of_freed_segments_are_dropped(kept):
