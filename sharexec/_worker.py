@@ -193,12 +193,14 @@ def _context(blob: bytes) -> tuple[Options, bytes, int]:
 # * Bounded: at most _KEPT_BYTES and _KEPT_MAPPINGS, least recently used dropped first;
 #   a mapping written into is dropped once its task is done (its private pages are memory
 #   of this worker's own); a segment the parent unlinked is dropped at the next call (its
-#   memory lives as long as a mapping does); everything is dropped after
-#   _KEPT_IDLE_SECONDS without a task (one daemon thread, started with the first).
+#   memory lives as long as a mapping does), or within _UNLINKED_SECONDS between tasks;
+#   everything is dropped after _KEPT_IDLE_SECONDS without a task (one daemon thread,
+#   started with the first).
 
 _KEPT_BYTES = 1 << 30  # the parent's pool holds at most this much too (_reduction)
 _KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look up per call
 _KEPT_IDLE_SECONDS = 10.0  # as long as the parent keeps an idle pool
+_UNLINKED_SECONDS = 0.5  # how often kept mappings of freed segments are looked for
 
 
 class _Kept:
@@ -349,13 +351,16 @@ def _drop_unlinked() -> None:
 
 def _drop_idle(now: float) -> float:
     """Drop every kept mapping if no task began or ended for _KEPT_IDLE_SECONDS before
-    ``now``; return how long to wait before looking again."""
+    ``now``, else those of segments freed meanwhile (a shared array the parent let go of:
+    its memory goes within _UNLINKED_SECONDS, not at this worker's next task); return how
+    long to wait before looking again."""
     with _kept_lock:
         idle = now - _last_task
         if idle >= _KEPT_IDLE_SECONDS:
             _kept_here().clear()
             return _KEPT_IDLE_SECONDS
-        return _KEPT_IDLE_SECONDS - idle
+    _drop_unlinked()
+    return min(_KEPT_IDLE_SECONDS - idle, _UNLINKED_SECONDS)
 
 
 def _drop_when_idle() -> None:

@@ -231,11 +231,22 @@ def test_kept_mappings_are_dropped_after_a_while_without_tasks(kept):
     segment = _segment(1)
     _worker._hold_copy(segment.name, len(segment))
     last = _worker._last_task
-    wait = _worker._drop_idle(last + 1.0)
-    assert wait == pytest.approx(_worker._KEPT_IDLE_SECONDS - 1.0)
+    wait = _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS - 0.25)
+    assert wait == pytest.approx(0.25)
     assert segment.name in _worker._kept
     assert _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS) == _worker._KEPT_IDLE_SECONDS
     assert not _worker._kept
+
+
+def test_kept_mappings_of_freed_segments_are_dropped_between_tasks_too(kept):
+    segments = [_segment(i) for i in range(2)]
+    for segment in segments:
+        _worker._hold_copy(segment.name, len(segment))
+    name = segments[1].name
+    del segments[1], segment  # the parent frees it while this worker has no task
+    wait = _worker._drop_idle(_worker._last_task + 1.0)
+    assert wait == _worker._UNLINKED_SECONDS  # and it looks again that soon
+    assert list(_worker._kept) == [segments[0].name] and name not in _worker._kept
 
 
 def test_a_forked_child_does_not_take_its_parents_kept_mappings(kept, monkeypatch):
