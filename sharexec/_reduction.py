@@ -756,10 +756,19 @@ def _dead() -> None:
 
 
 def _pickled_by_value(fn: types.FunctionType) -> bool:
-    """Whether cloudpickle pickles ``fn`` by value: not reachable by name in its module."""
+    """Whether cloudpickle pickles ``fn`` by value: not reachable by name in its module,
+    or of a module (or package) registered with ``cloudpickle.register_pickle_by_value``.
+    """
     module = sys.modules.get(fn.__module__)
     if module is None or fn.__module__ == "__main__":
         return True
+    registered = cloudpickle.list_registry_pickle_by_value()
+    if registered:
+        name = fn.__module__
+        while name:
+            if name in registered:
+                return True
+            name = name.rpartition(".")[0]
     found: Any = module
     for part in fn.__qualname__.split("."):
         found = getattr(found, part, None)

@@ -623,6 +623,25 @@ def test_a_plain_call_pickles_as_the_pass_would(call: tuple[Any, ...]) -> None:
     assert (fn1 is fn) == (fn2 is fn) == (fn is not scaled_by_value)
 
 
+def test_a_function_of_a_module_registered_by_value_is_sent_by_value(executor):
+    """cloudpickle.register_pickle_by_value: a module the workers cannot import."""
+    import cloudpickle
+
+    from sharexec import _reduction
+    from sharexec._config import Options
+
+    cloudpickle.register_pickle_by_value(workers)
+    try:
+        transport = _reduction.Transport(Options.resolve({}))
+        plain = transport.plain_call(workers.identity, (1,), {})
+        assert plain is not None
+        fn, args, _ = pickle.loads(plain)
+        assert fn is not workers.identity and fn(*args) == 1  # rebuilt from its pickle
+        assert executor.submit(workers.identity, (1, "a")).result() == (1, "a")
+    finally:
+        cloudpickle.unregister_pickle_by_value(workers)
+
+
 def _closure() -> Any:
     k = 2
 
