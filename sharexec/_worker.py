@@ -200,7 +200,9 @@ def _context(blob: bytes) -> tuple[Options, bytes, int]:
 _KEPT_BYTES = 1 << 30  # the parent's pool holds at most this much too (_reduction)
 _KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look up per call
 _KEPT_IDLE_SECONDS = 10.0  # as long as the parent keeps an idle pool
-_UNLINKED_SECONDS = 0.5  # how often kept mappings of freed segments are looked for
+# How often kept mappings of freed segments are looked for between tasks: a shared array
+# the parent frees gives its memory back this soon (a look costs one listdir).
+_UNLINKED_SECONDS = 0.05
 
 
 class _Kept:

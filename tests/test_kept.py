@@ -231,8 +231,9 @@ def test_kept_mappings_are_dropped_after_a_while_without_tasks(kept):
     segment = _segment(1)
     _worker._hold_copy(segment.name, len(segment))
     last = _worker._last_task
-    wait = _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS - 0.25)
-    assert wait == pytest.approx(0.25)
+    soon = _worker._UNLINKED_SECONDS / 2
+    wait = _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS - soon)
+    assert wait == pytest.approx(soon)
     assert segment.name in _worker._kept
     assert _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS) == _worker._KEPT_IDLE_SECONDS
     assert not _worker._kept
