@@ -199,6 +199,26 @@ def existing(names: list[str]) -> set[str]:
     return {n for n in names if (os.path.exists(n) if os.path.isabs(n) else n in present)}
 
 
+def removals() -> int | None:
+    """A descriptor that turns readable when a name is removed from the shared-memory
+    folder (inotify, non-blocking: read it empty after each wake); None where there is
+    none, and the folder must be looked at instead."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
+    except (OSError, AttributeError):  # pragma: no cover - no inotify (not Linux)
+        return None
+    if fd < 0:  # pragma: no cover - out of inotify instances
+        return None
+    if libc.inotify_add_watch(fd, os.fsencode(SHM_FOLDER), _IN_DELETE) < 0:
+        os.close(fd)  # pragma: no cover - no such folder
+        return None
+    return int(fd)
+
+
+_IN_DELETE = 0x200  # <sys/inotify.h>: a name was removed from the watched folder
+
+
 # /proc/self/pagemap holds 8 bytes per virtual page; in their top byte, bit 63 (0x80) says
 # present, bit 62 (0x40) swapped, bit 61 (0x20) a file page or shared anonymous memory. In
 # a private mapping of a segment, a page this process wrote is an anonymous copy: present

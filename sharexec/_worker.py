@@ -20,12 +20,14 @@ or :mod:`sharexec._reduction` at import time.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import importlib
 import io
 import os
 import pickle
+import select
 import sys
 import threading
 import time
@@ -193,15 +195,15 @@ def _context(blob: bytes) -> tuple[Options, bytes, int]:
 # * Bounded: at most _KEPT_BYTES and _KEPT_MAPPINGS, least recently used dropped first;
 #   a mapping written into is dropped once its task is done (its private pages are memory
 #   of this worker's own); a segment the parent unlinked is dropped at the next call (its
-#   memory lives as long as a mapping does), or within _UNLINKED_SECONDS between tasks;
+#   memory lives as long as a mapping does), or as soon as it is removed between tasks;
 #   everything is dropped after _KEPT_IDLE_SECONDS without a task (one daemon thread,
 #   started with the first).
 
 _KEPT_BYTES = 1 << 30  # the parent's pool holds at most this much too (_reduction)
 _KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look up per call
 _KEPT_IDLE_SECONDS = 10.0  # as long as the parent keeps an idle pool
-# How often kept mappings of freed segments are looked for between tasks: a shared array
-# the parent frees gives its memory back this soon (a look costs one listdir).
+# Where removals from the shared-memory folder cannot be watched, how often kept mappings
+# of freed segments are looked for between tasks (a look costs one listdir).
 _UNLINKED_SECONDS = 0.05
 
 
@@ -353,21 +355,32 @@ def _drop_unlinked() -> None:
 
 def _drop_idle(now: float) -> float:
     """Drop every kept mapping if no task began or ended for _KEPT_IDLE_SECONDS before
-    ``now``, else those of segments freed meanwhile (a shared array the parent let go of:
-    its memory goes within _UNLINKED_SECONDS, not at this worker's next task); return how
-    long to wait before looking again."""
+    ``now``, else those of segments freed meanwhile; return the time left until the
+    mappings are idle long enough."""
     with _kept_lock:
         idle = now - _last_task
         if idle >= _KEPT_IDLE_SECONDS:
             _kept_here().clear()
             return _KEPT_IDLE_SECONDS
     _drop_unlinked()
-    return min(_KEPT_IDLE_SECONDS - idle, _UNLINKED_SECONDS)
+    return _KEPT_IDLE_SECONDS - idle
 
 
 def _drop_when_idle() -> None:
+    """The dropping thread. Between tasks it wakes when a segment is freed (a shared array
+    the parent let go of: its memory goes at once, not at this worker's next task), or
+    every _UNLINKED_SECONDS where that cannot be watched."""
+    removals = _segments.removals()
     while True:
-        time.sleep(_drop_idle(time.monotonic()))
+        wait = _drop_idle(time.monotonic())
+        if removals is None:
+            time.sleep(min(wait, _UNLINKED_SECONDS))
+            continue
+        readable, _, _ = select.select([removals], [], [], wait)
+        if readable:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(removals, 1 << 16):
+                    pass
 
 
 # In a worker: functions already unpickled, by their pickle (most recent last).

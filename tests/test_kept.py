@@ -231,9 +231,8 @@ def test_kept_mappings_are_dropped_after_a_while_without_tasks(kept):
     segment = _segment(1)
     _worker._hold_copy(segment.name, len(segment))
     last = _worker._last_task
-    soon = _worker._UNLINKED_SECONDS / 2
-    wait = _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS - soon)
-    assert wait == pytest.approx(soon)
+    wait = _worker._drop_idle(last + 1.0)
+    assert wait == pytest.approx(_worker._KEPT_IDLE_SECONDS - 1.0)
     assert segment.name in _worker._kept
     assert _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS) == _worker._KEPT_IDLE_SECONDS
     assert not _worker._kept
@@ -245,9 +244,23 @@ def test_kept_mappings_of_freed_segments_are_dropped_between_tasks_too(kept):
         _worker._hold_copy(segment.name, len(segment))
     name = segments[1].name
     del segments[1], segment  # the parent frees it while this worker has no task
-    wait = _worker._drop_idle(_worker._last_task + 1.0)
-    assert wait == _worker._UNLINKED_SECONDS  # and it looks again that soon
+    _worker._drop_idle(_worker._last_task + 1.0)
     assert list(_worker._kept) == [segments[0].name] and name not in _worker._kept
+
+
+def test_a_freed_segment_wakes_the_dropping_thread():
+    """Between tasks, the dropping thread waits on removals from the shared-memory folder."""
+    import select
+
+    removals = _segments.removals()
+    assert removals is not None  # Linux: inotify
+    try:
+        segment = _segment(1)
+        assert select.select([removals], [], [], 0)[0] == []
+        del segment  # unlinked
+        assert select.select([removals], [], [], 30)[0] == [removals]
+    finally:
+        os.close(removals)
 
 
 def test_a_forked_child_does_not_take_its_parents_kept_mappings(kept, monkeypatch):
