@@ -20,7 +20,6 @@ or :mod:`sharexec._reduction` at import time.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gc
 import importlib
@@ -202,9 +201,6 @@ def _context(blob: bytes) -> tuple[Options, bytes, int]:
 _KEPT_BYTES = 1 << 30  # the parent's pool holds at most this much too (_reduction)
 _KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look up per call
 _KEPT_IDLE_SECONDS = 10.0  # as long as the parent keeps an idle pool
-# Where removals from the shared-memory folder cannot be watched, how often kept mappings
-# of freed segments are looked for between tasks (a look costs one listdir).
-_UNLINKED_SECONDS = 0.05
 
 
 class _Kept:
@@ -302,6 +298,7 @@ def _keep_shared(mappings: list[Mapping]) -> None:
                     entry = _Kept(mapping)
                 _keep(kept, mapping.name, entry)
         _last_task = time.monotonic()
+        _watch_removals()
 
 
 def attach_lent(name: str, size: int) -> Mapping:
@@ -361,26 +358,58 @@ def _drop_idle(now: float) -> float:
         idle = now - _last_task
         if idle >= _KEPT_IDLE_SECONDS:
             _kept_here().clear()
+            _watch_removals(False)
             return _KEPT_IDLE_SECONDS
     _drop_unlinked()
     return _KEPT_IDLE_SECONDS - idle
 
 
+# Shared arrays are the one kind of kept mapping whose segment the parent may free while
+# this worker is idle (copies and lent segments stay in the parent's pool until it has
+# been idle as long as the kept mappings here). While this worker keeps one, the dropping
+# thread watches removals from the shared-memory folder, so the memory of a freed array
+# goes at once, not at this worker's next task. The watch (an inotify instance, of which
+# a user may have only 128 on some systems) is given back once nothing is kept.
+_removals: int | None = None  # the watch, in _removals_pid
+_removals_pid = 0
+_polling = False  # a shared mapping is kept but no watch could be had: look every so often
+_UNLINKED_SECONDS = 0.05  # how often, then (one listdir each time)
+_new_watch = threading.Event()  # wakes the dropping thread to take up a new watch
+
+
+def _watch_removals(needed: bool = True) -> None:
+    """Take a watch of removals (call with _kept_lock held), or give it back."""
+    global _removals, _removals_pid, _polling
+    if _removals_pid != os.getpid():  # none inherited through a fork
+        _removals, _removals_pid, _polling = None, os.getpid(), False
+    if needed and _removals is None:
+        _removals = _segments.removals()
+        _polling = _removals is None
+        _new_watch.set()
+    elif not needed:
+        if _removals is not None:
+            os.close(_removals)
+        _removals, _polling = None, False
+
+
 def _drop_when_idle() -> None:
-    """The dropping thread. Between tasks it wakes when a segment is freed (a shared array
-    the parent let go of: its memory goes at once, not at this worker's next task), or
-    every _UNLINKED_SECONDS where that cannot be watched."""
-    removals = _segments.removals()
+    """The dropping thread: drops kept mappings once idle, and those of freed segments."""
     while True:
         wait = _drop_idle(time.monotonic())
+        with _kept_lock:
+            removals = _removals if _removals_pid == os.getpid() else None
+            polling = _polling
         if removals is None:
-            time.sleep(min(wait, _UNLINKED_SECONDS))
+            _new_watch.wait(min(wait, _UNLINKED_SECONDS) if polling else wait)
+            _new_watch.clear()
             continue
-        readable, _, _ = select.select([removals], [], [], wait)
-        if readable:
-            with contextlib.suppress(BlockingIOError):
+        try:
+            readable, _, _ = select.select([removals], [], [], wait)
+            if readable:
                 while os.read(removals, 1 << 16):
                     pass
+        except (BlockingIOError, OSError, ValueError):
+            pass  # read empty, or given back meanwhile: look again
 
 
 # In a worker: functions already unpickled, by their pickle (most recent last).

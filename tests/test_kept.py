@@ -123,6 +123,7 @@ def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     with _worker._kept_lock:
         _worker._kept.clear()
+        _worker._watch_removals(False)
 
 
 def _segment(value: int, size: int = 1 << 20) -> _segments.Mapping:
@@ -246,6 +247,24 @@ def test_kept_mappings_of_freed_segments_are_dropped_between_tasks_too(kept):
     del segments[1], segment  # the parent frees it while this worker has no task
     _worker._drop_idle(_worker._last_task + 1.0)
     assert list(_worker._kept) == [segments[0].name] and name not in _worker._kept
+
+
+def test_a_worker_watches_removals_only_while_it_keeps_a_shared_mapping(kept):
+    owned = _tracking.new_shared(1 << 20)
+    _worker._keep_shared([_segments.attach(owned.name, len(owned), private=False)])
+    watch = _worker._removals
+    assert watch is not None and not _worker._polling
+    _worker._drop_idle(_worker._last_task + _worker._KEPT_IDLE_SECONDS)  # idle: all go
+    assert not _worker._kept and _worker._removals is None
+    with pytest.raises(OSError):
+        os.fstat(watch)  # given back
+
+
+def test_without_a_watch_the_dropping_thread_looks_every_so_often(kept, monkeypatch):
+    monkeypatch.setattr(_segments, "removals", lambda: None)  # no inotify to be had
+    owned = _tracking.new_shared(1 << 20)
+    _worker._keep_shared([_segments.attach(owned.name, len(owned), private=False)])
+    assert _worker._removals is None and _worker._polling
 
 
 def test_a_freed_segment_wakes_the_dropping_thread():
