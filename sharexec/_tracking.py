@@ -433,7 +433,12 @@ def _start_sweeper() -> int:
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
-    code = "from sharexec._tracking import sweeper_main; sweeper_main()"
+    # Not from the working directory either, which -c puts first on sys.path: a
+    # socket.py there would stand in for the standard library's.
+    code = (
+        "import sys; sys.path[:] = [p for p in sys.path if p]; "
+        "from sharexec._tracking import sweeper_main; sweeper_main()"
+    )
     global _sweeper_pid
     _sweeper_pid = os.posix_spawn(
         sys.executable,

@@ -10,6 +10,7 @@
   worker while it packs the result), a shared array a worker made and returned.
 * Fallback files are 0600 in folders of mode 0700 (a real 1 MB /dev/shm in a private
   mount namespace; root only, as tests/test_faults.py does).
+* The sweeper imports nothing from the user's working directory.
 * The sweeper listens in the abstract socket namespace: no file in the file system. Any
   local user can read its address in /proc/net/unix and connect (abstract sockets have
   no permissions), so it hears only processes of its own user (root only: the test
@@ -300,3 +301,26 @@ def test_sweeper_ignores_other_users(no_leaks, tmp_path):
     while victim.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert victim.exists(), "another user had the sweeper unlink the owner's file"
+
+
+def test_the_sweeper_imports_nothing_from_the_working_directory(tmp_path):
+    """A module in the user's working directory must not stand in for the standard
+    library's in the sweeper (which ``python -c`` would import from there first)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "socket.py").write_text("raise SystemExit('socket.py of the working directory')\n")
+    script = tmp_path / "scripts" / "make_shared.py"  # its folder, not the cwd, on sys.path
+    script.parent.mkdir()
+    script.write_text(
+        "import sharexec\n"
+        "from sharexec import _tracking\n"
+        "a = sharexec.zeros(10)  # the sweeper starts, to hear of the segment\n"
+        "assert _tracking._sweeper_pid\n"
+    )
+    # The sweeper inherits stderr: run() returns once it has exited too (the parent gone).
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "working directory" not in done.stderr
