@@ -611,9 +611,9 @@ class Transport:
             mapping = entry[0]
             # its content changes: it no longer holds the bytes it was remembered for
             source = mapping.source
-            remembered = self._copies.get(source) if source is not None else None
-            if remembered is not None and remembered.ref() is mapping:
-                del self._copies[remembered.key]
+            found = self._copies.get(source) if source is not None else None
+            if source is not None and found is not None and found.ref() is mapping:
+                del self._copies[source]
         return mapping
 
     def close(self) -> None:
@@ -713,14 +713,14 @@ class Transport:
 
         owner = _weak(_argument_owner(raw))
         with self._lock:
-            self._copies[key] = _Remembered(key, weakref.ref(mapping, forget), made, owner)
+            self._copies[key] = _Remembered(weakref.ref(mapping, forget), made, owner)
 
 
 @dataclass
 class _Remembered:
-    """A copy of the bytes ``key`` (address, length), valid for tasks numbered below."""
+    """A copy of some bytes (its key in ``Transport._copies``), valid for tasks numbered
+    below ``valid_below``."""
 
-    key: tuple[int, int]
     ref: weakref.ref[Mapping]
     valid_below: int
     owner: Callable[[], object]  # a weak reference to the object whose bytes were taken

@@ -190,13 +190,24 @@ def listdir() -> list[str]:
 
 
 def existing(names: list[str]) -> set[str]:
-    """Which of these segments still have their name (one look at the folder, Linux)."""
-    in_memory = any(not os.path.isabs(n) for n in names)
+    """Which of these segments still have their name: a look at each (2 us, whatever the
+    folder holds), or at the whole folder when they are many (a listdir grows with the
+    folder: 15 us at 100 files)."""
+    if len(names) <= _STATS_PER_LISTDIR:
+        return {n for n in names if os.path.exists(_path(n))}
     try:
-        present = set(os.listdir(SHM_FOLDER)) if in_memory else set()
+        present = set(os.listdir(SHM_FOLDER))
     except OSError:  # pragma: no cover - no /dev/shm: then nothing is known to exist
         return set()
     return {n for n in names if (os.path.exists(n) if os.path.isabs(n) else n in present)}
+
+
+_STATS_PER_LISTDIR = 8
+
+
+def _path(name: str) -> str:
+    """Where a segment's name lives: a file's own path, or in the shared-memory folder."""
+    return name if os.path.isabs(name) else os.path.join(SHM_FOLDER, name)
 
 
 def removals() -> int | None:
@@ -230,7 +241,8 @@ def written(mapping: Mapping) -> bool:
     """Whether this process wrote into a private mapping: any page of it is its own copy.
 
     True also when that cannot be told (no pagemap, a short read): the caller then must
-    not trust the mapping to show the segment's content. About 0.5 ms per 128 MiB.
+    not trust the mapping to show the segment's content. About 0.3 ms per 128 MiB, and
+    1.3 ms beside a worker summing another array.
     """
     page = mmap.PAGESIZE
     first = mapping.address // page

@@ -313,7 +313,7 @@ def attach_lent(name: str, size: int) -> Mapping:
         entry = _kept_here().pop(name, None)
     if entry is None or entry.mapping.private or len(entry.mapping) != max(size, 1):
         entry = _Kept(_tracking.attach_lent(name, size))
-    elif not os.path.exists(os.path.join(_segments.SHM_FOLDER, name)):  # freed since
+    elif not _segments.existing([name]):  # freed since
         raise SegmentError(errno.ENOENT, f"lent segment {name!r} is gone")
     with _kept_lock:
         _keep(_kept_here(), name, entry)
