@@ -28,7 +28,7 @@ from loky.backend import reduction as loky_reduction
 
 from . import _tracking
 from ._config import Options
-from ._segments import SHM_FOLDER, Mapping
+from ._segments import Mapping
 
 __all__ = [
     "SharedArray",
@@ -194,10 +194,7 @@ def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: Literal["C", "F"]) -> Sh
     spill_to = Options.resolve({}).temp_folder or tempfile.gettempdir()
     mapping = _tracking.new_shared(math.prod(shape) * dtype.itemsize, spill_to)
     if os.path.isabs(mapping.name):
-        _tracking.warn_fallback(
-            f"shared memory is full or missing ({SHM_FOLDER}): shared arrays are "
-            f"allocated in files in {os.path.dirname(mapping.name)} instead"
-        )
+        _tracking.warn_fallback(_tracking.spilled(mapping.name, "shared arrays are allocated in"))
     array: SharedArray = SharedArray(shape, dtype, buffer=mapping, order=order)
     return array
 

@@ -22,6 +22,17 @@ from .errors import ConfigError
 #   1048576     2473     1072     2095
 DEFAULT_MIN_SHARE_BYTES = 256 << 10
 
+# Warm memory, held on both sides of a transfer under the same bounds, so that neither
+# side keeps what the other has let go of (see docs/design.md, "Warm memory"):
+# - the parent's pool of warm segments holds at most WARM_BYTES (and a quarter of
+#   shared memory), and drops a segment unused for WARM_IDLE_SECONDS;
+# - a worker keeps at most WARM_BYTES and KEPT_MAPPINGS mappings of the segments its
+#   tasks received, and drops them all after WARM_IDLE_SECONDS without a task. A copy
+#   stays in the parent's pool at least as long as a worker may keep its mapping.
+WARM_BYTES = 1 << 30
+WARM_IDLE_SECONDS = 10.0
+KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look up per call
+
 
 @dataclass(frozen=True)
 class Options:

@@ -52,8 +52,9 @@ from loky.process_executor import _WorkItem
 from . import _tracking
 from ._config import Options
 from ._queues import CallQueue, ResultQueue
-from ._reduction import Task, Transport
-from ._worker import Delivered, RebuildFailure, run, run_initializer
+from ._transport import Task, Transport
+from ._wire import Delivered, RebuildFailure
+from ._worker import run, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
@@ -234,7 +235,7 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             self._queue_count = work_id + 1
             self._executor_manager_thread_wakeup.wakeup()  # it queues the call for a worker
             self._ensure_executor_running()
-        self._transport.counts["tasks_submitted"] += 1
+        self._transport.counts.add("tasks_submitted")
         return future
 
     def statistics(self) -> Statistics:
@@ -332,7 +333,7 @@ class _Future(_LokyFuture):  # type: ignore[misc]
             task, self.task = self.task, None
         if task is not None:
             task.release(delivered)
-            task.transport.counts["tasks_done"] += 1
+            task.transport.counts.add("tasks_done")
 
 
 # ---------------------------------------------------------------------------------------

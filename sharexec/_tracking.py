@@ -157,6 +157,16 @@ def warn_fallback(message: str) -> None:
         warnings.warn(message, SharexecWarning, stacklevel=4)
 
 
+def spilled(name: str, what: str) -> str:
+    """The message for ``what`` spilled to the file-backed segment ``name``, e.g.
+    ``spilled(name, "large results come back through")``."""
+    folder = os.path.dirname(name)
+    return (
+        f"shared memory is full or missing ({_segments.SHM_FOLDER}): {what} files in "
+        f"{folder} instead"
+    )
+
+
 # This process's folders for file-backed segments, by parent folder,
 # e.g. {(41, "/tmp"): "/tmp/sharexec-41-k2j3"}.
 _spill_folders: dict[tuple[int, str], str] = {}

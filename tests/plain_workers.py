@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 # What a worker should import only for a call or a result that holds an array.
-HEAVY = ("numpy", "sharexec._arrays", "sharexec._reduction")
+HEAVY = ("numpy", "sharexec._arrays", "sharexec._reduction", "sharexec._transport")
 
 
 def heavy_modules(*ignored: Any) -> list[str]:

@@ -227,7 +227,6 @@ def test_functions_of_main_are_pickled_once_per_executor():
     code = textwrap.dedent(
         """
         import sharexec
-        from sharexec import _reduction
 
         def square(x):
             return x * x
@@ -243,7 +242,7 @@ def test_functions_of_main_are_pickled_once_per_executor():
                 assert ex.submit(f, 2).result() == [3, 3]
                 cell.append(4)  # a closure's captured state may change: never cached
                 assert ex.submit(f, 2).result() == [3, 4, 3, 4]
-                cached = dict(ex._transport._functions)
+                cached = dict(ex._transport.functions._payloads)
             assert list(cached) == [square] and cached[square], cached
             print("ok")
         """

@@ -117,24 +117,17 @@ def test_a_view_a_task_kept_never_sees_a_later_task(start_method, no_leaks):
 
 
 @pytest.fixture
-def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Kept mappings of this process, dropped after the test; no dropping thread here."""
-    monkeypatch.setattr(_worker, "_dropper_pid", os.getpid())
-    yield
-    with _worker._kept_lock:
-        _worker._kept.clear()
-        _worker._watch_removals(False)
+def kept() -> Iterator[_worker.KeptMappings]:
+    """Kept mappings of this test alone, dropped after it; no dropping thread here."""
+    mappings = _worker.KeptMappings(dropping_thread=False)
+    yield mappings
+    mappings.drop_idle(mappings.last_task + mappings.idle_seconds)
 
 
 def _segment(value: int, size: int = 1 << 20) -> _segments.Mapping:
     mapping = _tracking.new_private(size)
     mapping[:] = bytes([value]) * size
     return mapping
-
-
-def _held(name: str) -> _segments.Mapping | None:
-    entry = _worker._kept.get(name)
-    return None if entry is None else entry.mapping
 
 
 def test_written_tells_the_pages_this_process_wrote():
@@ -151,111 +144,110 @@ def test_written_tells_the_pages_this_process_wrote():
 def test_a_kept_mapping_is_reused_only_unwritten_and_with_no_view_left(kept):
     segment = _segment(1)
     name, size = segment.name, len(segment)
-    first = _worker._hold_copy(name, size)
-    kept_mapping = _held(name)
+    first = kept.hold_copy(name, size)
+    kept_mapping = kept.mapping(name)
     assert first.base.obj is kept_mapping
-    second = _worker._hold_copy(name, size)  # the first task's view lives: its own mapping
+    second = kept.hold_copy(name, size)  # the first task's view lives: its own mapping
     assert second.base.obj is not kept_mapping
     assert first.base.obj is kept_mapping and first[0] == 1
     del first, second, kept_mapping
-    _worker._after_task([name])
-    third = _worker._hold_copy(name, size)
-    assert third.base.obj is _held(name)  # reused
+    kept.after_task([name])
+    third = kept.hold_copy(name, size)
+    assert third.base.obj is kept.mapping(name)  # reused
     third[5] = 9  # copy-on-write: this mapping is no longer the segment's
     del third
-    _worker._after_task([name])
-    assert name not in _worker._kept  # dropped as soon as its task was done
-    fourth = _worker._hold_copy(name, size)
+    kept.after_task([name])
+    assert name not in kept.names()  # dropped as soon as its task was done
+    fourth = kept.hold_copy(name, size)
     assert fourth[5] == 1
     segment[5] = 3  # the parent rewrites the segment (from its pool)
     del fourth
-    _worker._after_task([name])
-    fifth = _worker._hold_copy(name, size)
+    kept.after_task([name])
+    fifth = kept.hold_copy(name, size)
     assert fifth[5] == 3  # a kept mapping shows the segment's content
 
 
-def test_kept_mappings_stay_within_their_bounds(kept, monkeypatch):
-    monkeypatch.setattr(_worker, "_KEPT_MAPPINGS", 2)
-    monkeypatch.setattr(_worker, "_KEPT_BYTES", 3 << 20)
+def test_kept_mappings_stay_within_their_bounds(kept):
+    kept.max_mappings, kept.max_bytes = 2, 3 << 20
     segments = [_segment(i) for i in range(3)]
     for segment in segments:
-        _worker._hold_copy(segment.name, len(segment))
-    assert list(_worker._kept) == [s.name for s in segments[1:]]  # the oldest went
+        kept.hold_copy(segment.name, len(segment))
+    assert kept.names() == [s.name for s in segments[1:]]  # the oldest went
     big = _segment(9, 2 << 20)
-    _worker._hold_copy(big.name, len(big))
-    assert list(_worker._kept) == [segments[2].name, big.name]  # 3 MiB at most
+    kept.hold_copy(big.name, len(big))
+    assert kept.names() == [segments[2].name, big.name]  # 3 MiB at most
     huge = _segment(9, 4 << 20)
-    _worker._hold_copy(huge.name, len(huge))
-    assert list(_worker._kept) == [segments[2].name, big.name]  # never kept
+    kept.hold_copy(huge.name, len(huge))
+    assert kept.names() == [segments[2].name, big.name]  # never kept
 
 
 def test_shared_mappings_are_kept_unless_this_process_owns_them(kept):
     owned = _tracking.new_shared(1 << 20)  # its views decide when it goes: not kept
     attached = _segments.attach(owned.name, len(owned), private=False)
-    _worker._keep_shared([owned, attached])
-    assert [entry.mapping for entry in _worker._kept.values()] == [attached]
+    kept.keep_shared([owned, attached])
+    assert kept.names() == [attached.name] and kept.mapping(attached.name) is attached
 
 
 def test_a_lent_segment_is_written_shared_and_its_mapping_kept_for_the_next_loan(kept):
     segment = _segment(1)
-    _worker._hold_copy(segment.name, len(segment))  # kept as a private copy first (no view)
-    lent = _worker.attach_lent(segment.name, len(segment))
+    kept.hold_copy(segment.name, len(segment))  # kept as a private copy first (no view)
+    lent = kept.attach_lent(segment.name, len(segment))
     lent[0:1] = b"\x2a"
     assert segment[0] == 42  # written through to the segment, not copied on write
-    assert _worker.attach_lent(segment.name, len(segment)) is lent  # kept
+    assert kept.attach_lent(segment.name, len(segment)) is lent  # kept
     name = segment.name
     del segment  # the parent frees it (the executor shut down): lending it again fails
     with pytest.raises(sharexec.SegmentError):
-        _worker.attach_lent(name, 1 << 20)
+        kept.attach_lent(name, 1 << 20)
 
 
 def test_a_mapping_kept_shared_is_never_reused_for_a_private_copy(kept):
     segment = _segment(1)
-    lent = _worker.attach_lent(segment.name, len(segment))
-    holder = _worker._hold_copy(segment.name, len(segment))  # the pool sends it as a copy
+    lent = kept.attach_lent(segment.name, len(segment))
+    holder = kept.hold_copy(segment.name, len(segment))  # the pool sends it as a copy
     holder[0] = 99
     assert segment[0] == lent[0] == 1  # the task's write stays its own
-    assert _worker._kept[segment.name].mapping.private
+    assert kept.mapping(segment.name).private
 
 
 def test_kept_mappings_of_freed_segments_are_dropped(kept):
     segments = [_segment(i) for i in range(3)]
     for segment in segments:
-        _worker._hold_copy(segment.name, len(segment))
+        kept.hold_copy(segment.name, len(segment))
     names = [s.name for s in segments]
     del segments[1]  # the parent frees it: unlinked
-    _worker._drop_unlinked()
-    assert list(_worker._kept) == [names[0], names[2]]
+    kept.drop_unlinked()
+    assert kept.names() == [names[0], names[2]]
 
 
 def test_kept_mappings_are_dropped_after_a_while_without_tasks(kept):
     segment = _segment(1)
-    _worker._hold_copy(segment.name, len(segment))
-    last = _worker._last_task
-    wait = _worker._drop_idle(last + 1.0)
-    assert wait == pytest.approx(_worker._KEPT_IDLE_SECONDS - 1.0)
-    assert segment.name in _worker._kept
-    assert _worker._drop_idle(last + _worker._KEPT_IDLE_SECONDS) == _worker._KEPT_IDLE_SECONDS
-    assert not _worker._kept
+    kept.hold_copy(segment.name, len(segment))
+    last = kept.last_task
+    wait = kept.drop_idle(last + 1.0)
+    assert wait == pytest.approx(kept.idle_seconds - 1.0)
+    assert segment.name in kept.names()
+    assert kept.drop_idle(last + kept.idle_seconds) == kept.idle_seconds
+    assert not kept.names()
 
 
 def test_kept_mappings_of_freed_segments_are_dropped_between_tasks_too(kept):
     segments = [_segment(i) for i in range(2)]
     for segment in segments:
-        _worker._hold_copy(segment.name, len(segment))
+        kept.hold_copy(segment.name, len(segment))
     name = segments[1].name
     del segments[1], segment  # the parent frees it while this worker has no task
-    _worker._drop_idle(_worker._last_task + 1.0)
-    assert list(_worker._kept) == [segments[0].name] and name not in _worker._kept
+    kept.drop_idle(kept.last_task + 1.0)
+    assert kept.names() == [segments[0].name] and name not in kept.names()
 
 
 def test_a_worker_watches_removals_only_while_it_keeps_a_shared_mapping(kept):
     owned = _tracking.new_shared(1 << 20)
-    _worker._keep_shared([_segments.attach(owned.name, len(owned), private=False)])
-    watch = _worker._removals
-    assert watch is not None and not _worker._polling
-    _worker._drop_idle(_worker._last_task + _worker._KEPT_IDLE_SECONDS)  # idle: all go
-    assert not _worker._kept and _worker._removals is None
+    kept.keep_shared([_segments.attach(owned.name, len(owned), private=False)])
+    watch = kept.watch
+    assert watch is not None and not kept.polling
+    kept.drop_idle(kept.last_task + kept.idle_seconds)  # idle: all go
+    assert not kept.names() and kept.watch is None
     with pytest.raises(OSError):
         os.fstat(watch)  # given back
 
@@ -263,8 +255,8 @@ def test_a_worker_watches_removals_only_while_it_keeps_a_shared_mapping(kept):
 def test_without_a_watch_the_dropping_thread_looks_every_so_often(kept, monkeypatch):
     monkeypatch.setattr(_segments, "removals", lambda: None)  # no inotify to be had
     owned = _tracking.new_shared(1 << 20)
-    _worker._keep_shared([_segments.attach(owned.name, len(owned), private=False)])
-    assert _worker._removals is None and _worker._polling
+    kept.keep_shared([_segments.attach(owned.name, len(owned), private=False)])
+    assert kept.watch is None and kept.polling
 
 
 def test_a_freed_segment_wakes_the_dropping_thread():
@@ -282,14 +274,14 @@ def test_a_freed_segment_wakes_the_dropping_thread():
         os.close(removals)
 
 
-def test_a_forked_child_does_not_take_its_parents_kept_mappings(kept, monkeypatch):
+def test_a_forked_child_does_not_take_its_parents_kept_mappings(kept):
     segment = _segment(1)
-    _worker._hold_copy(segment.name, len(segment))
-    assert _worker._kept
-    monkeypatch.setattr(_worker, "_kept_pid", -1)  # as a forked child sees it
-    holder = _worker._hold_copy(segment.name, len(segment))
-    assert list(_worker._kept) == [segment.name]
-    assert holder.base.obj is _held(segment.name)  # mapped afresh, in this process's table
+    kept.hold_copy(segment.name, len(segment))
+    assert kept.names()
+    kept.reset()  # as a forked child starts (the after-fork hook of the process's object)
+    holder = kept.hold_copy(segment.name, len(segment))
+    assert kept.names() == [segment.name]
+    assert holder.base.obj is kept.mapping(segment.name)  # mapped afresh, in this process's table
 
 
 def test_a_worker_is_not_restarted_for_the_copies_it_keeps_mapped(start_method, no_leaks):

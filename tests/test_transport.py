@@ -281,9 +281,9 @@ def test_changed_array_is_never_served_a_stale_copy(executor):
 def test_large_copies_and_comparisons_run_in_slices_and_miss_no_byte(executor, monkeypatch):
     """Copies and comparisons of 16 MiB or more run on several cores in the parent: a
     change in the last slice is seen, and every byte of every slice arrives."""
-    from sharexec import _reduction
+    from sharexec import _transport
 
-    monkeypatch.setattr(_reduction, "_CORES", 3)  # 3 slices, even on a 2-core machine
+    monkeypatch.setattr(_transport, "_CORES", 3)  # 3 slices, even on a 2-core machine
     a = np.random.default_rng(5).random(6_000_000 + 3)  # 48 MB and a ragged end
     a_sum = float(a.sum())
     from multiprocessing import get_context
@@ -300,10 +300,10 @@ def test_large_copies_and_comparisons_run_in_slices_and_miss_no_byte(executor, m
 
 
 def test_a_slice_that_fails_fails_the_whole_and_every_slice_ends_first(monkeypatch):
-    from sharexec import _reduction
+    from sharexec import _transport
 
-    monkeypatch.setattr(_reduction, "_CORES", 4)
-    n = 4 * _reduction._PARALLEL_SLICE + 5
+    monkeypatch.setattr(_transport, "_CORES", 4)
+    n = 4 * _transport._PARALLEL_SLICE + 5
     seen: list[tuple[int, int]] = []
 
     def work(low: int, high: int) -> bool:
@@ -313,7 +313,7 @@ def test_a_slice_that_fails_fails_the_whole_and_every_slice_ends_first(monkeypat
         return True
 
     with pytest.raises(OSError, match="last slice"):
-        _reduction._in_parallel(n, work)
+        _transport._in_parallel(n, work)
     seen.sort()
     assert len(seen) == 4 and seen[0][0] == 0 and seen[-1][1] == n
     assert all(high == low for (_, high), (low, _) in itertools.pairwise(seen))
@@ -324,21 +324,21 @@ def test_a_copy_serves_tasks_submitted_before_it_as_is_and_later_ones_once_compa
 ) -> None:
     """D3 rule 2: a copy made after a task was submitted is a snapshot of that task's
     argument, taken no later than the stdlib would; a later task's bytes are compared."""
-    from sharexec import _reduction
+    from sharexec import _transport
     from sharexec._config import Options
 
     compared: list[int] = []
-    same_bytes = _reduction._same_bytes
+    same_bytes = _transport._same_bytes
     monkeypatch.setattr(
-        _reduction, "_same_bytes", lambda a, b, n: compared.append(n) or same_bytes(a, b, n)
+        _transport, "_same_bytes", lambda a, b, n: compared.append(n) or same_bytes(a, b, n)
     )
-    transport = _reduction.Transport(Options.resolve({}))
+    transport = _transport.Transport(Options.resolve({}))
     a = np.ones(LARGE)
 
-    def submitted() -> _reduction.Task:
-        return _reduction.Task(workers.total, (a,), {}, transport)
+    def submitted() -> _transport.Task:
+        return _transport.Task(workers.total, (a,), {}, transport)
 
-    def segment(task: _reduction.Task) -> str:
+    def segment(task: _transport.Task) -> str:
         _, (_, buffers, *_) = task.__reduce__()
         return str(buffers[0][0])
 
@@ -387,11 +387,11 @@ def test_a_buffer_made_while_pickling_is_compared_never_trusted(
 ) -> None:
     """Only an array the task was given as an argument can be trusted without a
     comparison: bytes made by a __reduce__ differ from task to task at one address."""
-    from sharexec import _reduction
+    from sharexec import _transport
     from sharexec._config import Options
 
-    transport = _reduction.Transport(Options.resolve({}))
-    burst = [_reduction.Task(workers.total, (kind(float(i)),), {}, transport) for i in range(3)]
+    transport = _transport.Transport(Options.resolve({}))
+    burst = [_transport.Task(workers.total, (kind(float(i)),), {}, transport) for i in range(3)]
     for task in burst:  # all submitted before the first is sent
         task.__reduce__()
     sent = [np.frombuffer(task.keep[0], np.float64, LARGE) for task in burst]
@@ -604,14 +604,14 @@ ATOMS = (None, True, 3, 2.5, 1j, "text", b"bytes")
 )
 def test_a_plain_call_pickles_as_the_pass_would(call: tuple[Any, ...]) -> None:
     """The plain road writes what the pass writes, only cheaper."""
-    from sharexec import _reduction
+    from sharexec import _reduction, _transport
     from sharexec._config import Options
 
-    transport = _reduction.Transport(Options.resolve({}))
+    transport = _transport.Transport(Options.resolve({}))
     fn, args, kwargs = call
     plain = transport.plain_call(fn, args, kwargs)
     assert plain is not None
-    by_pass = _reduction.dumps(call, transport.options, transport)
+    by_pass = _reduction.dumps(call, _transport.ForwardSink(transport))
     assert by_pass.buffers == [] and by_pass.keep == []
     (fn1, args1, kwargs1), (fn2, args2, kwargs2) = (
         pickle.loads(plain),
@@ -627,12 +627,12 @@ def test_a_function_of_a_module_registered_by_value_is_sent_by_value(executor):
     """cloudpickle.register_pickle_by_value: a module the workers cannot import."""
     import cloudpickle
 
-    from sharexec import _reduction
+    from sharexec import _transport
     from sharexec._config import Options
 
     cloudpickle.register_pickle_by_value(workers)
     try:
-        transport = _reduction.Transport(Options.resolve({}))
+        transport = _transport.Transport(Options.resolve({}))
         plain = transport.plain_call(workers.identity, (1,), {})
         assert plain is not None
         fn, args, _ = pickle.loads(plain)
@@ -677,10 +677,10 @@ def _closure() -> Any:
     ],
 )
 def test_a_call_that_may_hold_a_buffer_takes_the_pass(call: tuple[Any, ...]) -> None:
-    from sharexec import _reduction
+    from sharexec import _transport
     from sharexec._config import Options
 
-    transport = _reduction.Transport(Options.resolve({}))
+    transport = _transport.Transport(Options.resolve({}))
     assert transport.plain_call(*call) is None
 
 

@@ -1,0 +1,816 @@
+"""The parent's side of an executor's transport: calls on their way out, results back in.
+
+A submitted call becomes a :class:`Task`. Loky pickles it when it leaves the call queue
+(as the stdlib does), and only then does :meth:`Task.__reduce__` encode it: by the
+standard pickler if every argument is a plain value (``Transport.plain_call``), else by
+the pass of :mod:`sharexec._reduction` with a :class:`ForwardSink`. The task holds the
+segments its payload refers to until its future is done (:meth:`Task.release`).
+
+:class:`Transport` is the executor's facade over the parts that each own their state:
+
+* :class:`Functions`: functions pickled once per executor;
+* :class:`CopyCache`: which copy holds which bytes, for which tasks it is a valid
+  snapshot, and which tasks in flight hold each copy;
+* :class:`SegmentPool`: warm segments (pages already faulted in) no task holds, reused
+  for the next copies and lent for results, bounded in bytes and in age;
+* :class:`ResultLoans`: warm segments lent to tasks for their results, sized after the
+  function's last results, and the receiver (``_wire.Receiver``) of every result: a
+  result's segment goes to the pool once the result is collected;
+* :class:`Counts`: what went where, for ``statistics()``.
+
+Locks: the facade's ``Transport._lock`` serializes what spans two parts (a copy reused
+out of the pool, a pooled segment taken for new bytes); it is taken before any part's
+own lock, and no part calls back into the facade. The parts' locks are re-entrant,
+since a weakref callback (a collected result giving its segment back) may fire while
+one is held.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import shutil
+import threading
+import time
+import types
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from . import _segments, _tracking, _wire
+from ._config import WARM_BYTES, WARM_IDLE_SECONDS, Options
+from ._reduction import Sink, argument_owner, dumps
+from ._segments import Mapping
+from ._wire import BufferRef, Delivered, is_plain, load_function
+from ._worker import load_call
+
+__all__ = ["ForwardSink", "Task", "Transport"]
+
+_FUNCTIONS_REMEMBERED = 256  # functions whose last result sizes are kept
+
+
+# ---------------------------------------------------------------------------------------
+# A call on its way out
+# ---------------------------------------------------------------------------------------
+
+
+class Task:
+    """A call on its way to a worker.
+
+    Loky pickles it when the call leaves its queue (as the stdlib does): only then are
+    its large arguments copied, so memory is bounded by the tasks in flight.
+    """
+
+    # Slots, and tuples for empty lists: every object a task allocates is one more for
+    # the garbage collector to walk while thousands of tiny tasks are pending.
+    __slots__ = (
+        "args",
+        "copies",
+        "fn",
+        "function",
+        "keep",
+        "kwargs",
+        "lent",
+        "number",
+        "sent",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        transport: Transport,
+    ) -> None:
+        # The call, until the task is done; None for no keywords (one dict less per task).
+        self.fn: Callable[..., Any] | None = fn
+        self.args: tuple[Any, ...] | None = args
+        self.kwargs: dict[str, Any] | None = kwargs or None
+        self.transport = transport
+        self.number = transport.number()  # its place in submission order
+        self.sent = False
+        self.keep: Sequence[Mapping] = ()  # the mappings its payload refers to
+        self.copies: Sequence[Mapping] = ()  # those of them that are argument copies
+        self.function: tuple[str, str] | None = None  # whose last results size what is lent
+        self.lent: Sequence[Mapping] = ()  # warm segments lent for the result
+
+    def __reduce__(self) -> Any:
+        fn, args, kwargs = self.fn, self.args, self.kwargs or {}
+        if fn is None or args is None:
+            raise RuntimeError("this task was already completed")
+        transport = self.transport
+        if self.sent:  # sent again (an initializer, for a new worker): as if submitted now
+            self.number = transport.number()
+        self.sent = True
+        payload = transport.plain_call(fn, args, kwargs)
+        buffers: list[BufferRef] = []
+        if payload is None:
+            payload, buffers = self._pass((fn, args, kwargs))
+        transport.loans.take_back(self.lent)
+        self.function = _function_key(fn)
+        self.lent = transport.lend(self.function)
+        lent = [(m.name, len(m)) for m in self.lent]
+        return load_call, (payload, buffers, lent, transport.context())
+
+    def _pass(self, call: tuple[Any, Any, Any]) -> tuple[bytes, list[BufferRef]]:
+        """Reduce the call by the pass: its large buffers copied (or reused), held."""
+        _, args, kwargs = call
+        given = frozenset(id(x) for x in (*args, *kwargs.values()) if isinstance(x, np.ndarray))
+        transport = self.transport
+        packed = dumps(call, ForwardSink(transport, self.number), given)
+        if self.copies:  # a previous reduction's
+            transport.let_go(self.copies, frozenset())
+        self.keep, self.copies = packed.keep, packed.copies  # until release()
+        if self.copies:
+            transport.copies.hold(self.copies)
+        return packed.payload, packed.buffers
+
+    def release(self, delivered: Delivered | None = None) -> None:
+        """Drop the call and its segments, as early as the task is done.
+
+        ``delivered``: its result, if it came back (see :class:`~sharexec._wire.Delivered`).
+        """
+        self.fn = self.args = self.kwargs = None
+        transport = self.transport
+        if self.copies:
+            transport.let_go(self.copies, delivered.released if delivered else frozenset())
+        self.keep, self.copies = (), ()
+        transport.loans.take_back(self.lent)
+        self.lent = ()
+        if delivered is not None:
+            transport.loans.learn(self.function, delivered.sizes)
+
+
+def _function_key(fn: Callable[..., Any]) -> tuple[str, str] | None:
+    """A function's name, by which its tasks are lent segments for their results."""
+    qualname = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if not isinstance(qualname, str) or not isinstance(module, str):
+        return None  # a partial, a callable object: no guess
+    return module, qualname
+
+
+# ---------------------------------------------------------------------------------------
+# The facade
+# ---------------------------------------------------------------------------------------
+
+# Numbers the transports of this process: results find their receiver by it.
+_tokens = count(1)
+
+
+class Transport:
+    """One executor's transport: its options, and the parts that own its state."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.counts = Counts()
+        # Numbers tasks in the order they are submitted, and copies in the order they are
+        # made: a copy made after a task was submitted is a valid snapshot for it.
+        self._numbers = count()
+        self._lock = threading.RLock()  # see the module's docstring
+        self.functions = Functions(self)
+        self.copies = CopyCache(self.number)
+        self.pool = SegmentPool(_pool_limit())
+        self.loans = ResultLoans(self.pool)
+        self.token = next(_tokens)  # by which results find self.loans (_wire.load_result)
+        _wire.register(self.token, self.loans)
+        self._context: bytes | None = None  # see context()
+
+    def number(self) -> int:
+        """The next number: every task numbered below it was submitted before now."""
+        return next(self._numbers)
+
+    def context(self) -> bytes:
+        """What every call tells its worker about this executor, pickled once: the
+        options, the address of the session's sweeper (started if need be), and the
+        token by which results find this transport (see ``_worker.load_call``)."""
+        if self._context is None:
+            about = (self.options, _tracking.sweeper_address(), self.token)
+            self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)
+        return self._context
+
+    def plain_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes | None:
+        """The pickle of a call that cannot hold a buffer, made by the standard pickler;
+        None if the call must take the pass.
+
+        Every argument is plain (``_wire.is_plain``: atoms, short tuples and lists of
+        them) and the function is pickled by name, or by the pickle cached for it: the
+        pass would write the very same call, at a third of the cost (it runs Python code
+        for every object). Many tiny tasks take this road.
+        """
+        if type(fn) is not types.FunctionType or not all(map(is_plain, args)):
+            return None
+        if kwargs and not all(map(is_plain, kwargs.values())):
+            return None
+        ref = self.functions.plain_ref(fn)
+        if ref is None:
+            return None
+        return pickle.dumps((ref, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def reuse(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
+        """A live copy of the bytes ``raw`` that is a valid snapshot of them for ``task``,
+        taken out of the pool if it was there (see :meth:`CopyCache.reusable`)."""
+        with self._lock:
+            mapping = self.copies.reusable(raw, low, task)
+            if mapping is not None:
+                self.pool.remove(mapping)
+            return mapping
+
+    def take_warm(self, size: int) -> Mapping | None:
+        """A pooled segment to hold ``size`` new bytes (at most twice as big), if any; it
+        no longer holds the bytes it was remembered for."""
+        with self._lock:
+            mapping = self.pool.take(size)
+            if mapping is not None:
+                self.copies.forget(mapping)
+            return mapping
+
+    def let_go(self, copies: Sequence[Mapping], released: frozenset[str]) -> None:
+        """A task is done; ``released``: the copies its worker no longer maps. Those no
+        task holds and every worker released go to the pool (see :meth:`CopyCache.let_go`)."""
+        for mapping in self.copies.let_go(copies, released):
+            self.pool.put(mapping)
+
+    def lend(self, function: tuple[str, str] | None) -> list[Mapping]:
+        """Warm segments for a task of ``function`` to write its large results into."""
+        return self.loans.lend(function, self.take_warm)
+
+    def pooled(self) -> list[str]:
+        """Names of the segments in the pool."""
+        return self.pool.names()
+
+    def close(self) -> None:
+        """The executor is shut down: drop the pool; segments coming back are dropped."""
+        self.pool.close()
+
+
+def _pool_limit() -> int:
+    """Bytes of warm segments an executor keeps: a quarter of shared memory, at most
+    ``WARM_BYTES``."""
+    try:
+        total = shutil.disk_usage(_segments.SHM_FOLDER).total
+    except OSError:
+        return 0
+    return min(WARM_BYTES, total // 4)
+
+
+# ---------------------------------------------------------------------------------------
+# Functions pickled once
+# ---------------------------------------------------------------------------------------
+
+
+class _FunctionRef:
+    """A function in a plain pickle, by the pickle cached for it (see ``plain_call``)."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def __reduce__(self) -> Any:
+        return load_function, (self.payload,)
+
+
+class Functions:
+    """The functions an executor sent, and how each travels.
+
+    cloudpickle pickles a function of ``__main__`` or a notebook by value, at a cost
+    that dominates small tasks (and loky pays it per task): such a function is pickled
+    once per executor, with the globals it had when first sent, as the standard
+    library's workers see the module state of their own import. A closure is not
+    cached (its cells may change between calls), nor a function whose pickle holds
+    large buffers. Whether a function goes by name is cloudpickle's own decision, asked
+    once per function: its pickle is the standard pickler's reference.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._lock = threading.Lock()
+        # Whether each function pickles by name, e.g. {<function total>: True}; valid
+        # while cloudpickle's by-value registry is _registry.
+        self._by_name: weakref.WeakKeyDictionary[types.FunctionType, bool] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._registry: frozenset[str] = frozenset()
+        # Pickles of functions sent by value, e.g. {<function square>: b"\x80\x05…"};
+        # None: not cacheable (large buffers in its globals).
+        self._payloads: weakref.WeakKeyDictionary[types.FunctionType, bytes | None] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def plain_ref(self, fn: types.FunctionType) -> Any:
+        """What stands for ``fn`` in a plain pickle: ``fn`` itself (by name), its cached
+        pickle, or None if it must go through the pass."""
+        if self.by_name(fn):
+            return fn
+        payload = self.payload(fn)
+        return None if payload is None else _FunctionRef(payload)
+
+    def by_name(self, fn: types.FunctionType) -> bool:
+        """Whether cloudpickle pickles ``fn`` by reference to its module and name."""
+        registry = frozenset(cloudpickle.list_registry_pickle_by_value())
+        with self._lock:
+            if registry != self._registry:  # a module was (un)registered: ask again
+                self._by_name.clear()
+                self._registry = registry
+            known = self._by_name.get(fn)
+        if known is not None:
+            return known
+        by_name = fn.__module__ != "__main__"  # always by value, cloudpickle documents
+        if by_name:
+            try:
+                reference = pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # not reachable by its name: by value
+                by_name = False
+            else:
+                by_name = cloudpickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL) == reference
+        with self._lock:
+            self._by_name[fn] = by_name
+        return by_name
+
+    def payload(self, fn: types.FunctionType) -> bytes | None:
+        """The pickle of ``fn`` sent by value, made once while ``fn`` lives, or None if
+        it goes by name or must not be cached."""
+        if fn.__closure__ is not None or self.by_name(fn):
+            return None
+        with self._lock:
+            if fn in self._payloads:
+                return self._payloads[fn]
+        packed = dumps(fn, ForwardSink(self._transport, cache_functions=False))
+        payload = None if packed.buffers or packed.keep else packed.payload
+        with self._lock:
+            self._payloads[fn] = payload
+        return payload
+
+
+# ---------------------------------------------------------------------------------------
+# The forward sink: where a call's large buffers go
+# ---------------------------------------------------------------------------------------
+
+
+class ForwardSink(Sink):
+    """A call's buffers: reused from a live copy of the same bytes, or copied (on several
+    cores: the workers wait for it) into a warm segment of the pool, or a fresh one;
+    counted for ``statistics()``; a fallback warned of once.
+
+    ``task``: the number of the task being sent, if this pass sends one;
+    ``cache_functions``: functions of ``__main__`` go by their cached pickle.
+    """
+
+    def __init__(
+        self, transport: Transport, task: int | None = None, cache_functions: bool = True
+    ) -> None:
+        super().__init__(transport.options)
+        self.transport = transport
+        self.task = task
+        self.cache_functions = cache_functions
+
+    def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
+        self.count("bytes_by_reference", nbytes)
+        return False
+
+    def place(self, raw: memoryview, low: int) -> Mapping | None:
+        reused = self.transport.reuse(raw, low, self.task)
+        if reused is not None:
+            self.count("bytes_reused", raw.nbytes)
+            return reused
+        made = self.transport.number()  # tasks numbered below came before this copy
+        mapping = super().place(raw, low)
+        if mapping is not None:
+            self.transport.copies.remember(raw, low, mapping, made)
+        return mapping
+
+    def segment(self, size: int) -> Mapping | None:
+        return self.transport.take_warm(size) or super().segment(size)
+
+    def copy(self, target: np.ndarray, source: np.ndarray) -> None:
+        # 128 MiB into warm pages: 19 ms on one core, 10 ms on two; fresh: 61 and 34 ms.
+        def copy(low: int, high: int) -> bool:
+            target[low:high] = source[low:high]  # numpy releases the GIL
+            return True
+
+        _in_parallel(len(source), copy)
+
+    def count(self, what: str, n: int) -> None:
+        self.transport.counts.add(what, n)
+
+    def fell_back(self, message: str) -> None:
+        self.count("fallbacks", 1)
+        _tracking.warn_fallback(message)
+
+    def reduce_function(self, fn: types.FunctionType) -> Any:
+        if not self.cache_functions:
+            return None
+        payload = self.transport.functions.payload(fn)
+        return None if payload is None else (load_function, (payload,))
+
+
+# ---------------------------------------------------------------------------------------
+# Copies in flight: which bytes they hold, for which tasks, and who holds them
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Remembered:
+    """A copy of some bytes (its key in ``CopyCache._copies``), valid for tasks numbered
+    below ``valid_below``."""
+
+    ref: weakref.ref[Mapping]
+    valid_below: int
+    owner: Callable[[], object]  # a weak reference to the object whose bytes were taken
+
+
+class CopyCache:
+    """Copies alive (held by tasks in flight, or pooled), by the bytes they hold.
+
+    A copy still alive is reused for the same bytes, so submitting one array many times
+    holds one copy. It is reused as it is by a task submitted before the copy was made
+    (the stdlib would pickle that task later still: any moment between submit and
+    dispatch is the task's), and after comparing the bytes for any later task: a changed
+    array never reuses a stale copy. ``number`` numbers tasks and comparisons alike.
+    """
+
+    def __init__(self, number: Callable[[], int]) -> None:
+        self._number = number
+        self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
+        # Copies by the source bytes they hold, e.g.
+        # {(140213, 8000000): _Remembered(<weakref to Mapping>, valid_below=17, ...)},
+        # and the key of each copy, by the copy's id, e.g. {1401: (140213, 8000000)}.
+        self._copies: dict[tuple[int, int], _Remembered] = {}
+        self._keys: dict[int, tuple[int, int]] = {}
+        # Copies held by tasks in flight: {id(mapping): [mapping, tasks holding it, every
+        # worker let go of it so far]}, e.g. {1401: [<Mapping>, 2, True]}.
+        self._held: dict[int, list[Any]] = {}
+
+    def reusable(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
+        """A copy of these very bytes that is a valid snapshot of them for ``task``.
+
+        A copy made after the task was submitted, from the very object whose bytes the
+        task sends now (still alive: its memory was never freed and reused), is one as
+        it is: the copy took the task's own argument, unsent since its submit, and the
+        stdlib would have pickled it later still. Otherwise (a task submitted after the
+        copy, a temporary made while pickling, no task: None), the bytes are compared
+        first; equal, the copy becomes valid for every task submitted up to the
+        comparison.
+        """
+        with self._lock:
+            remembered = self._copies.get((low, raw.nbytes))
+        if remembered is None or (mapping := remembered.ref()) is None:
+            return None
+        owner = argument_owner(raw)
+        trusted = (
+            task is not None
+            and task < remembered.valid_below
+            and owner is not None
+            and remembered.owner() is owner
+        )
+        if not trusted:
+            compared = self._number()
+            if not _same_bytes(low, mapping.address, raw.nbytes):
+                return None
+            with self._lock:
+                remembered.valid_below = compared
+                remembered.owner = _weak(owner)
+        return mapping
+
+    def remember(self, raw: memoryview, low: int, mapping: Mapping, made: int) -> None:
+        """``mapping`` holds the bytes ``raw`` at ``low``, copied after task ``made``."""
+        key = (low, raw.nbytes)
+        copy_id = id(mapping)
+
+        def forget(ref: weakref.ref[Mapping]) -> None:
+            with self._lock:
+                self._keys.pop(copy_id, None)
+                remembered = self._copies.get(key)
+                if remembered is not None and remembered.ref is ref:
+                    del self._copies[key]
+
+        owner = _weak(argument_owner(raw))
+        with self._lock:
+            self._copies[key] = _Remembered(weakref.ref(mapping, forget), made, owner)
+            self._keys[copy_id] = key
+
+    def forget(self, mapping: Mapping) -> None:
+        """``mapping``'s content is about to change: it holds no remembered bytes now."""
+        with self._lock:
+            key = self._keys.pop(id(mapping), None)
+            remembered = self._copies.get(key) if key is not None else None
+            if remembered is not None and remembered.ref() is mapping:
+                del self._copies[key]  # type: ignore[arg-type]  # not None: found
+
+    def hold(self, copies: Sequence[Mapping]) -> None:
+        """A task in flight now refers to these copies."""
+        with self._lock:
+            for mapping in copies:
+                entry = self._held.setdefault(id(mapping), [mapping, 0, True])
+                entry[1] += 1
+
+    def let_go(self, copies: Sequence[Mapping], released: frozenset[str]) -> list[Mapping]:
+        """A task is done; ``released``: the copies its worker no longer maps. Returns the
+        copies that no task holds and every worker released: they may be pooled.
+
+        Any other copy no task holds is dropped (and unlinked). A worker that kept a
+        view of its argument (in a global, in its result) keeps the copy out of the
+        pool: its content must never change under that view. A file on disk (a
+        fallback) is never pooled.
+        """
+        free = []
+        with self._lock:
+            for mapping in copies:
+                entry = self._held.get(id(mapping))
+                if entry is None:
+                    continue
+                entry[1] -= 1
+                entry[2] = entry[2] and mapping.name in released
+                if entry[1] == 0:
+                    del self._held[id(mapping)]
+                    if entry[2] and not os.path.isabs(mapping.name):
+                        free.append(mapping)
+        return free
+
+
+def _weak(owner: object) -> Callable[[], object]:
+    """A weak reference to ``owner``, or one that is always dead if it cannot have one."""
+    try:
+        return weakref.ref(owner)
+    except TypeError:  # bytes, memoryview…: never trusted, always compared
+        return _dead
+
+
+def _dead() -> None:
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Warm segments
+# ---------------------------------------------------------------------------------------
+
+
+class SegmentPool:
+    """Segments no task holds and no worker maps any more, whose pages are already
+    faulted in: a memcpy into them runs ~10x faster than into fresh shared pages.
+
+    Bounded in bytes (``limit``) and in age (``WARM_IDLE_SECONDS``): a timer trims it
+    while it holds anything, so an idle executor does not keep its warm segments. A
+    segment dropped from the pool is unlinked (its handle is collected). Once closed
+    (the executor shut down), nothing comes in any more.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
+        # Oldest first, with the time each came in, e.g. [(<Mapping>, 5012.5)].
+        self._pool: list[tuple[Mapping, float]] = []
+        self._closed = False
+        self._trimmer: threading.Timer | None = None  # trims the pool once idle
+
+    def put(self, mapping: Mapping) -> None:
+        """A segment is free again (unless the pool is closed: then it is dropped)."""
+        with self._lock:
+            if not self._closed:
+                self._pool.append((mapping, time.monotonic()))
+                self._trim()
+
+    def take(self, size: int) -> Mapping | None:
+        """The smallest pooled segment to hold ``size`` bytes (at most twice as big)."""
+        with self._lock:
+            self._trim()
+            fits = [entry for entry in self._pool if size <= len(entry[0]) <= 2 * size]
+            if not fits:
+                return None
+            entry = min(fits, key=lambda e: len(e[0]))
+            self._pool.remove(entry)
+        return entry[0]
+
+    def remove(self, mapping: Mapping) -> None:
+        """Take ``mapping`` out of the pool, if it is there."""
+        with self._lock:
+            self._pool = [e for e in self._pool if e[0] is not mapping]
+
+    def names(self) -> list[str]:
+        """Names of the segments in the pool."""
+        with self._lock:
+            return [m.name for m, _ in self._pool]
+
+    def close(self) -> None:
+        """Drop every pooled segment; none comes in any more."""
+        with self._lock:
+            self._closed = True
+            self._pool = []
+            if self._trimmer is not None:
+                self._trimmer.cancel()
+                self._trimmer = None
+
+    def _trim(self) -> None:
+        """Drop pooled segments idle too long, or beyond the byte limit (lock held)."""
+        old = time.monotonic() - WARM_IDLE_SECONDS
+        self._pool = [(m, t) for m, t in self._pool if t >= old]
+        while sum(len(m) for m, _ in self._pool) > self._limit:
+            self._pool.pop(0)
+        if self._pool and self._trimmer is None and not self._closed:
+            self._trimmer = threading.Timer(WARM_IDLE_SECONDS, self._trim_later)
+            self._trimmer.daemon = True
+            self._trimmer.start()
+
+    def _trim_later(self) -> None:
+        with self._lock:
+            self._trimmer = None
+            self._trim()
+
+
+# ---------------------------------------------------------------------------------------
+# Results coming back
+# ---------------------------------------------------------------------------------------
+
+
+class ResultLoans:
+    """Warm segments lent to tasks for their results, and the receiver of every result.
+
+    A task of a function is lent pooled segments sized after that function's last
+    results; its worker writes a large result into one (mapped populated, and kept
+    there for the next loan) instead of a fresh segment. Either way the parent owns the
+    result's segment and no other process writes it while it holds the result, so a
+    result is an ordinary private, writable array; once it is collected, its segment
+    joins the pool. A result in a file (spilled) is mapped and unlinked at once.
+    """
+
+    def __init__(self, pool: SegmentPool) -> None:
+        self._pool = pool
+        self._lock = threading.RLock()
+        # Sizes of the large buffers each function's last result came back in, by
+        # function, e.g. {("app", "render"): [67108864]}: what to lend its next tasks.
+        self._sizes: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        # Segments lent to tasks in flight, not yet back in a result, by name,
+        # e.g. {"sharexec-41-Zm9v": <Mapping>}.
+        self._lent: dict[str, Mapping] = {}
+
+    def lend(
+        self, function: tuple[str, str] | None, take: Callable[[int], Mapping | None]
+    ) -> list[Mapping]:
+        """Warm segments, each from ``take(size)``, for a task of ``function``; none if
+        its last results are unknown or nothing fits."""
+        with self._lock:
+            sizes = self._sizes.get(function) if function is not None else None
+        if not sizes:
+            return []
+        lent = [mapping for mapping in map(take, sizes) if mapping is not None]
+        with self._lock:
+            for mapping in lent:
+                self._lent[mapping.name] = mapping
+        return lent
+
+    def take_back(self, lent: Sequence[Mapping]) -> None:
+        """A task is done or sent again: the segments lent to it that its result did not
+        come back in are free again."""
+        for mapping in lent:
+            with self._lock:
+                unused = self._lent.pop(mapping.name, None) is not None
+            if unused:
+                self._pool.put(mapping)
+
+    def learn(self, function: tuple[str, str] | None, sizes: list[int]) -> None:
+        """``function``'s last result came back in buffers of these sizes."""
+        if function is None:
+            return
+        with self._lock:
+            self._sizes[function] = sizes
+            self._sizes.move_to_end(function)
+            if len(self._sizes) > _FUNCTIONS_REMEMBERED:
+                self._sizes.popitem(last=False)
+
+    def receive(self, name: str, size: int) -> Any:
+        """The buffer a result's segment is rebuilt over (``_wire.Receiver``).
+
+        A lent segment is mapped here already; a fresh one is adopted; both go to the
+        pool once the result is collected. A file (spilled) is mapped and unlinked at
+        once: never pooled.
+        """
+        with self._lock:
+            mapping = self._lent.pop(name, None)
+        if mapping is None:
+            if os.path.isabs(name):
+                return _tracking.adopt_private(name, size)
+            mapping = _tracking.adopt(name, size)
+        holder = np.frombuffer(mapping, np.uint8)
+        weakref.finalize(holder, _put_back, weakref.ref(self._pool), mapping)
+        return holder
+
+    def discard(self, name: str) -> None:
+        """A segment of a result that failed to rebuild: unlinked, unless it is lent
+        (then it goes back to the pool when its task is released)."""
+        with self._lock:
+            lent = name in self._lent
+        if not lent:
+            _tracking.forget(name)
+
+
+def _put_back(pool: weakref.ref[SegmentPool], mapping: Mapping) -> None:
+    """A result is collected: its segment goes to the pool, or is dropped (and so
+    unlinked) if the pool's executor is gone."""
+    alive = pool()
+    if alive is not None:
+        alive.put(mapping)
+
+
+# ---------------------------------------------------------------------------------------
+# Counts
+# ---------------------------------------------------------------------------------------
+
+
+class Counts:
+    """What went where, for ``statistics()``, e.g. ``{"bytes_copied": 8000000}``.
+
+    Updated from the user's threads (submit), the feeder thread (the pass) and the
+    manager thread (a future done): under a lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: Counter[str] = Counter()
+
+    def add(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[what] += n
+
+    def __getitem__(self, what: str) -> int:
+        with self._lock:
+            return self._values[what]
+
+
+# ---------------------------------------------------------------------------------------
+# Comparing and copying large buffers, on several cores
+# ---------------------------------------------------------------------------------------
+
+_COMPARE_CHUNK = 8 << 20  # compare in slices this big: no n-byte temporary
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_PARALLEL_SLICE = 16 << 20  # below this, a thread's start costs more than it saves
+
+
+def _same_bytes(a: int, b: int, n: int) -> bool:
+    """Whether the ``n`` bytes at addresses ``a`` and ``b`` are equal.
+
+    libc's memcmp, about twice as fast as numpy's comparison here; it releases the GIL,
+    so a large comparison runs in slices on several cores (128 MiB: 18 ms on one, 10 ms
+    on two). Numpy, in slices (no n-byte temporary), where there is no libc to call.
+    """
+    if _memcmp is not None:
+        memcmp = _memcmp
+        return all(_in_parallel(n, lambda low, high: memcmp(a + low, b + low, high - low) == 0))
+    x = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(a))
+    y = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(b))
+    return all(
+        np.array_equal(x[i : i + _COMPARE_CHUNK], y[i : i + _COMPARE_CHUNK])
+        for i in range(0, n, _COMPARE_CHUNK)
+    )
+
+
+def _in_parallel(n: int, work: Callable[[int, int], bool]) -> list[bool]:
+    """``work(low, high)`` over slices of ``range(n)``, on as many cores as help.
+
+    For work that releases the GIL: a slice per core (at most 4), none under
+    _PARALLEL_SLICE bytes; the calling thread takes the first. What a slice raised is
+    raised here, once every slice has ended.
+    """
+    slices = max(1, min(_CORES, 4, n // _PARALLEL_SLICE))
+    if slices == 1:
+        return [work(0, n)]
+    bounds = [n * i // slices for i in range(slices + 1)]
+    done = [False] * slices
+    failed: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            done[i] = work(bounds[i], bounds[i + 1])
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, slices)]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return done
+
+
+def _load_memcmp() -> Any:
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):  # pragma: no cover - no libc symbols
+        return None
+    memcmp.restype = ctypes.c_int
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memcmp
+
+
+_memcmp = _load_memcmp()

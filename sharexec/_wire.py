@@ -1,0 +1,235 @@
+"""What travels between the parent and its workers, and how it is unpickled: no NumPy.
+
+Both sides import this module, a worker at start-up, so it must stay light: nothing here
+imports NumPy, :mod:`sharexec._arrays` or :mod:`sharexec._reduction`. It owns
+
+* the shape of an out-of-band buffer on the wire (:data:`BufferRef`) and
+  :func:`loads`, which unpickles a payload over the segments its buffers lie in;
+* :class:`Pickler`, the base of every pickler sharexec runs, so that an object pickles
+  the same way in each (loky's reducers, then cloudpickle's and copyreg's);
+* plain values (:func:`is_plain`): calls and results made only of them hold no buffer
+  and skip the passes;
+* functions sent by their cached pickle (:func:`load_function`, a cache per worker);
+* the reply envelope: a worker's :class:`Reply`, which the parent unpickles as
+  :func:`load_result`. That hands each segment of the result to the :class:`Receiver`
+  the sending executor registered (:func:`register`): the parent decides, not this
+  module, what becomes of a result's segments.
+
+The call envelope, ``_worker.load_call``, is the worker's, since it maps segments into
+the worker's kept mappings.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import weakref
+from collections import ChainMap, OrderedDict
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
+
+import cloudpickle
+from loky.backend import reduction as loky_reduction
+
+from . import _tracking
+from .errors import ResultError
+
+__all__ = [
+    "BufferRef",
+    "Delivered",
+    "Pickler",
+    "RebuildFailure",
+    "Receiver",
+    "Reply",
+    "is_plain",
+    "load_function",
+    "load_result",
+    "loads",
+    "register",
+]
+
+# An out-of-band buffer: (segment name, segment size, offset, length),
+# e.g. ("sharexec-41-Zm9vYmFy", 8000000, 0, 8000000).
+BufferRef = tuple[str, int, int, int]
+
+
+def loads(
+    payload: bytes,
+    buffers: list[BufferRef],
+    attach: Callable[[str, int], Any],
+    mapped: dict[str, Any] | None = None,
+) -> Any:
+    """Unpickle ``payload`` over its out-of-band buffers; ``mapped`` gets what holds each
+    segment's bytes, by name.
+
+    ``attach(name, size)`` gives what holds a segment's bytes: a buffer that slices
+    without copying (a memoryview, an array). Each segment is attached once.
+    """
+    mappings: dict[str, Any] = {} if mapped is None else mapped
+    views = []
+    for name, size, offset, length in buffers:
+        mapping = mappings.get(name)
+        if mapping is None:
+            mapping = mappings[name] = attach(name, size)
+        views.append(mapping[offset : offset + length])
+    return pickle.loads(payload, buffers=views)
+
+
+class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle's pickler with the dispatch table of loky's own.
+
+    loky's reducers come first (bound methods by reference, sockets and multiprocessing
+    connections through the process being spawned, partials), then cloudpickle's and
+    copyreg's: an object pickles inside our payloads exactly as it would in loky's.
+    """
+
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        loky_reduction._dispatch_table, cloudpickle.Pickler.dispatch_table
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Plain values and cached functions
+# ---------------------------------------------------------------------------------------
+
+# Values that hold no buffer, whatever the pickler: plain pickle writes them as either
+# pass would (the C pickler saves these types itself, complex by copyreg). Results and
+# arguments made only of them skip the passes (``_worker.run``, ``Transport.plain_call``).
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_PLAIN_ITEMS = 16  # a longer tuple or list takes the general road: no scan of its items
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is an atom, or a short tuple or list of atoms: it holds no buffer."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return True
+    if (kind is tuple or kind is list) and len(value) <= _PLAIN_ITEMS:
+        return all(type(item) in _ATOMS for item in value)
+    return False
+
+
+# In a worker: functions already unpickled, by their pickle (most recent last),
+# e.g. {b"\x80\x05...": <function square>}.
+_functions: OrderedDict[bytes, Any] = OrderedDict()
+_FUNCTIONS_KEPT = 256
+
+
+def load_function(payload: bytes) -> Any:
+    """Unpickle a function sent by its cached pickle, once per worker."""
+    fn = _functions.get(payload)
+    if fn is None:
+        fn = _functions[payload] = pickle.loads(payload)
+        if len(_functions) > _FUNCTIONS_KEPT:
+            _functions.popitem(last=False)
+    else:
+        _functions.move_to_end(payload)
+    return fn
+
+
+# ---------------------------------------------------------------------------------------
+# A result, on its way back to the parent
+# ---------------------------------------------------------------------------------------
+
+
+class Reply:
+    """A result on its way back: a small payload and the segments handed to the parent."""
+
+    def __init__(
+        self,
+        payload: bytes,
+        buffers: list[BufferRef],
+        released: list[str],
+        token: int,
+        keep: list[Any] | None = None,
+    ) -> None:
+        self.payload = payload
+        self.buffers = buffers
+        self.released = released  # the argument copies the worker no longer maps
+        self.token = token  # the receiver of the executor that sent the call
+        self.keep = keep  # the mappings the payload refers to, held until it is sent
+
+    def __reduce__(self) -> Any:
+        return load_result, (self.payload, self.buffers, self.released, self.token)
+
+
+class Receiver(Protocol):
+    """What the parent does with the segments of a result (see :func:`register`)."""
+
+    def receive(self, name: str, size: int) -> Any:
+        """The buffer the result is rebuilt over, from the segment ``name`` (now ours)."""
+
+    def discard(self, name: str) -> None:
+        """A segment of a result that failed to rebuild, never received: let it go."""
+
+
+class _Unclaimed:
+    """The receiver of results whose executor is gone: mapped, then unlinked at once."""
+
+    def receive(self, name: str, size: int) -> Any:
+        return _tracking.adopt_private(name, size)
+
+    def discard(self, name: str) -> None:
+        _tracking.forget(name)
+
+
+# The receivers of this process's executors, by token, e.g. {3: <ResultLoans>}.
+_receivers: weakref.WeakValueDictionary[int, Receiver] = weakref.WeakValueDictionary()
+_unclaimed = _Unclaimed()
+
+
+def register(token: int, receiver: Receiver) -> None:
+    """Results of the calls sent with ``token`` go to ``receiver`` (held weakly)."""
+    _receivers[token] = receiver
+
+
+def load_result(payload: bytes, buffers: list[BufferRef], released: list[str], token: int) -> Any:
+    """Rebuild a result in the parent over its segments, which become the parent's.
+
+    Each segment goes to the receiver registered for ``token``.
+
+    This runs in loky's manager thread, where an exception would break the whole pool
+    (as the standard library's does): a failure is returned instead, for the executor's
+    future to raise (see ``_executor._Future``), and the pool goes on.
+    """
+    spilled = [name for name, *_ in buffers if os.path.isabs(name)]
+    if spilled:
+        _tracking.warn_fallback(_tracking.spilled(spilled[0], "large results come back through"))
+    receiver = _receivers.get(token, _unclaimed)
+    received: list[str] = []
+
+    def receive(name: str, size: int) -> Any:
+        buffer = receiver.receive(name, size)
+        received.append(name)
+        return memoryview(buffer)
+
+    try:
+        value = loads(payload, buffers, receive)
+    except Exception as exc:
+        for name in dict.fromkeys(name for name, *_ in buffers):
+            if name not in received:  # whatever was not received yet goes too
+                receiver.discard(name)
+        return RebuildFailure(exc)
+    sizes: dict[str, int] = {}
+    for name, _, offset, length in buffers:
+        sizes[name] = max(sizes.get(name, 0), offset + length)
+    return Delivered(value, released, list(sizes.values()))
+
+
+class Delivered:
+    """A rebuilt result, with what its task's release needs: the argument copies its
+    worker let go of, and the sizes of the large buffers it came in (what to lend the
+    function's next tasks)."""
+
+    def __init__(self, value: Any, released: list[str], sizes: list[int]) -> None:
+        self.value = value
+        self.released = frozenset(released)
+        self.sizes = sizes
+
+
+class RebuildFailure:
+    """A result that could not be rebuilt in the parent: its future raises ``error``."""
+
+    def __init__(self, cause: Exception) -> None:
+        self.error = ResultError(f"the task's result could not be rebuilt here: {cause!r}")
+        self.error.__cause__ = cause
