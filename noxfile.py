@@ -55,11 +55,17 @@ def clients(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Check style and formatting with ruff (configured in pyproject.toml)."""
-    session.install("ruff>=0.6")
+    """Check style and formatting with ruff, and the package's layers with import-linter.
+
+    Both are configured in pyproject.toml: ruff's rules, and the layers of
+    docs/design.md (``lint-imports``: every import, function-level ones included,
+    points down the layers).
+    """
+    session.install("ruff>=0.6", "import-linter>=2.1", ".")
     paths = _present(LINT_PATHS)
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
+    session.run("lint-imports")
 
 
 @nox.session

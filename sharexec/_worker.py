@@ -18,6 +18,7 @@ or :mod:`sharexec._reduction` at import time.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import importlib
@@ -286,10 +287,8 @@ class KeptMappings:
         """Keep nothing, as a new process: the after-fork hook of the process's object
         (the mappings, the watch and the dropping thread are the parent's)."""
         if self._watch is not None:
-            try:
-                os.close(self._watch)  # this process's copy of the parent's descriptor
-            except OSError:  # pragma: no cover - closed already
-                pass
+            with contextlib.suppress(OSError):  # this process's copy of the parent's
+                os.close(self._watch)
         self._lock = threading.Lock()  # the dropping thread drops mappings too
         # Kept mappings by segment name, least recently used first, e.g.
         # {"sharexec-41-Zm9vYmFy": <_Kept of a Mapping of 134217728 bytes>}.
@@ -434,7 +433,9 @@ class KeptMappings:
             total -= len(oldest.mapping)
         if not self._thread_started:
             self._thread_started = True
-            threading.Thread(target=self._drop_when_idle, name="sharexec-kept", daemon=True).start()
+            thread = threading.Thread(target=self._drop_when_idle, name="sharexec-kept")
+            thread.daemon = True
+            thread.start()
 
     def _watch_removals(self, needed: bool) -> None:
         """Take a watch of removals (call with the lock held), or give it back."""
