@@ -26,20 +26,17 @@ import contextlib
 import logging
 import os
 import select
-import selectors
-import signal
 import socket
-import struct
 import sys
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
 from functools import partial
 
-from . import _segments
+from . import _segments, _sweeper
 from ._segments import Mapping
+from ._sweeper import HAND_OFF, REGISTER, UNREGISTER
 from .errors import SegmentError, SharexecWarning
 
 __all__ = [
@@ -58,7 +55,6 @@ __all__ = [
     "new_shared",
     "owns",
     "sweeper_address",
-    "sweeper_main",
     "warn_fallback",
     "watch_parent",
 ]
@@ -107,7 +103,7 @@ def _unlink(name: str, owner_pid: int) -> None:
     _live.pop(name, None)
     if os.getpid() == owner_pid:
         _segments.unlink(name)
-        _tell("U", name)
+        _tell(UNREGISTER, name)
         logger.debug("unlinked segment %s", name)
 
 
@@ -133,11 +129,11 @@ def _create(size: int, spill_to: str | None) -> Mapping:
 
 
 def _create_named(name: str, size: int) -> Mapping:
-    _tell("R", name)  # first: a crash while the space is being reserved leaks nothing
+    _tell(REGISTER, name)  # first: a crash while the space is being reserved leaks nothing
     try:
         return _own(_segments.create(size, name))
     except BaseException:
-        _tell("U", name)
+        _tell(UNREGISTER, name)
         raise
 
 
@@ -168,7 +164,7 @@ def _spill_folder(parent: str) -> str:
         folder = _spill_folders.get(key)
         if folder is None:
             folder = _spill_folders[key] = _segments.new_folder(parent)
-            _tell("R", folder)
+            _tell(REGISTER, folder)
             atexit.register(_remove_folder, folder, os.getpid())
     return folder
 
@@ -179,7 +175,7 @@ def _remove_folder(folder: str, owner_pid: int) -> None:
             _segments.unlink(folder)
         except OSError:  # still holds files handed to another process: the sweeper's
             return
-        _tell("U", folder)
+        _tell(UNREGISTER, folder)
 
 
 def owns(mapping: Mapping) -> bool:
@@ -193,7 +189,7 @@ def hand_off(mapping: Mapping) -> None:
     owner = mapping.owner
     if isinstance(owner, Segment) and owner.owned:
         owner.hand_off()
-        _tell("H", mapping.name)
+        _tell(HAND_OFF, mapping.name)
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,7 +314,7 @@ def attach_lent(name: str, size: int) -> Mapping:
 def forget(name: str) -> None:
     """Unlink a segment handed to this process that it will never map (a failed result)."""
     _segments.unlink(name)
-    _tell("U", name)
+    _tell(UNREGISTER, name)
 
 
 def adopt(name: str, size: int) -> Mapping:
@@ -334,23 +330,19 @@ def adopt_private(name: str, size: int) -> Mapping:
     """
     mapping = _segments.attach(name, size, private=False)
     _segments.unlink(name)
-    _tell("U", name)
+    _tell(UNREGISTER, name)
     logger.debug("adopted and unlinked segment %s", name)
     return mapping
 
 
 # ---------------------------------------------------------------------------------------
-# The sweeper: frees what a dead process owned
+# Telling the sweeper: so that what a dead process owned is freed
 # ---------------------------------------------------------------------------------------
 #
 # The first process of a session to create a segment (the *root*, usually the program
-# running the executor) starts the sweeper, which outlives it. Every process tells it,
-# one line per event, what it creates ("R name"), frees ("U name") or hands to the root
-# ("H name"): the root through the sweeper's stdin, workers through a Unix socket whose
-# address they receive with their tasks. When a worker's connection closes (it exited or
-# died), the sweeper unlinks what that worker still owned; when the root's pipe closes,
-# it unlinks everything the root owned, waits for the workers to go (they watch the root:
-# watch_parent), unlinks what is left and exits.
+# running the executor) starts the sweeper (sharexec._sweeper, which describes the
+# protocol), and tells it through a pipe; every other process tells it through a Unix
+# socket whose address it receives with its tasks (join_sweeper).
 
 # This process's line to the sweeper, e.g. a socket; None until the first segment.
 _channel: socket.socket | int | None = None
@@ -361,7 +353,6 @@ _channel_lock = threading.RLock()
 _outbox: list[bytes] = []  # lines not sent yet, e.g. [b"R sharexec-41-Zm9v\n"]
 _sending = False  # a _tell is sending (in the thread holding _channel_lock)
 _sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
-_WAIT_FOR_MEMBERS = 10.0  # seconds the sweeper waits for workers after the root died
 
 
 def _tell(op: str, name: str) -> None:
@@ -373,7 +364,7 @@ def _tell(op: str, name: str) -> None:
     """
     global _sending
     with _channel_lock:
-        _outbox.append(f"{op} {name}\n".encode())
+        _outbox.append(_sweeper.encode(op, name))
         if _sending:
             return
         _sending = True
@@ -437,7 +428,7 @@ def _start_sweeper() -> int:
     # socket.py there would stand in for the standard library's.
     code = (
         "import sys; sys.path[:] = [p for p in sys.path if p]; "
-        "from sharexec._tracking import sweeper_main; sweeper_main()"
+        "from sharexec._sweeper import sweeper_main; sweeper_main()"
     )
     global _sweeper_pid
     _sweeper_pid = os.posix_spawn(
@@ -446,7 +437,7 @@ def _start_sweeper() -> int:
         env,
         file_actions=[
             (os.POSIX_SPAWN_DUP2, read_end, 0),
-            (os.POSIX_SPAWN_DUP2, listener.fileno(), 3),
+            (os.POSIX_SPAWN_DUP2, listener.fileno(), _sweeper.LISTENER_FD),
         ],
         setsid=True,  # out of the terminal's process group: Ctrl-C is for the root
     )
@@ -464,84 +455,6 @@ def _forget_root_channel() -> None:
     if isinstance(_channel, int):
         os.close(_channel)
     _channel = None
-
-
-def sweeper_main() -> None:
-    """The sweeper process: stdin is the root's pipe, fd 3 the workers' listening socket."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    listener = socket.socket(fileno=3)
-    events = selectors.DefaultSelector()
-    events.register(0, selectors.EVENT_READ, "root")
-    events.register(listener, selectors.EVENT_READ, "listen")
-    # What each live process owns, e.g. {"root": {"sharexec-41-Zm9v"}, <socket>: set()}.
-    owned: dict[object, set[str]] = {"root": set()}
-    pending: dict[object, bytes] = {}
-    deadline = None  # set when the root is gone
-    while owned:
-        ready = events.select(timeout=1.0 if deadline else None)
-        if deadline and time.monotonic() > deadline:
-            break
-        for key, _ in ready:
-            if key.data == "listen":
-                conn, _ = listener.accept()
-                if _peer_uid(conn) != os.getuid():  # anyone may connect; only we are heard
-                    conn.close()
-                    continue
-                events.register(conn, selectors.EVENT_READ, conn)
-                owned[conn] = set()
-                continue
-            source = key.data
-            data = os.read(0, 65536) if source == "root" else source.recv(65536)
-            if not data:  # that process exited or died: free what it still owned
-                events.unregister(key.fileobj)
-                for name in _sweep(owned.pop(source)):
-                    if "root" in owned:  # a folder still holding the root's files
-                        owned["root"].add(name)
-                if source == "root":
-                    deadline = time.monotonic() + _WAIT_FOR_MEMBERS
-                else:
-                    source.close()
-                continue
-            lines = (pending.pop(source, b"") + data).split(b"\n")
-            pending[source] = lines.pop()
-            for line in lines:
-                op, _, name = line.decode().partition(" ")
-                if op == "R":
-                    owned[source].add(name)
-                elif op == "U":
-                    for names in owned.values():
-                        names.discard(name)
-                elif op == "H":
-                    owned[source].discard(name)
-                    if "root" in owned:
-                        owned["root"].add(name)
-                    else:
-                        _sweep({name})
-        if deadline and len(owned) == 0:
-            break
-    _sweep(set().union(*owned.values()))
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    """The user id of the process at the other end of a Unix socket (-1 if unknown)."""
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return -1
-    return int(struct.unpack("3i", creds)[1])
-
-
-def _sweep(names: set[str]) -> list[str]:
-    """Unlink these segments (files before their folders); return what could not go."""
-    left = []
-    for name in sorted(names, key=len, reverse=True):
-        if not os.path.basename(name).startswith(_segments.PREFIX):
-            continue  # never anything but sharexec's own
-        try:
-            _segments.unlink(name)
-        except OSError:
-            left.append(name)
-    return left
 
 
 # ---------------------------------------------------------------------------------------
