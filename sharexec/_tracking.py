@@ -76,12 +76,12 @@ class Segment:
         self.name = name
         self.pid = os.getpid()
         self._finalizer = weakref.finalize(self, _unlink, name, self.pid)
-        _live[name] = size
+        _owned.sizes[name] = size
 
     def hand_off(self) -> None:
         """Give up ownership: another process will unlink this segment."""
         self._finalizer.detach()
-        _live.pop(self.name, None)
+        _owned.sizes.pop(self.name, None)
 
     @property
     def owned(self) -> bool:
@@ -89,18 +89,40 @@ class Segment:
         return self._finalizer.alive and self.pid == os.getpid()
 
 
-# Segments this process owns now, with their sizes, e.g. {"sharexec-41-Zm9v": 8000000}.
-_live: dict[str, int] = {}
+class _Owned:
+    """What this process must free: its segments, and its folders of file-backed ones."""
+
+    def __init__(self) -> None:
+        # Its segments now, with their sizes, e.g. {"sharexec-41-Zm9v": 8000000}.
+        self.sizes: dict[str, int] = {}
+        # Its folders for file-backed segments, by process and parent folder, e.g.
+        # {(41, "/tmp"): "/tmp/sharexec-41-k2j3"}; each is removed at exit if empty.
+        self.folders: dict[tuple[int, str], str] = {}
+        self.lock = threading.Lock()  # one folder per parent, whichever thread spills first
+
+    def spill_folder(self, parent: str) -> str:
+        """This process's folder for file-backed segments inside ``parent``, made once."""
+        key = (os.getpid(), parent)
+        with self.lock:
+            folder = self.folders.get(key)
+            if folder is None:
+                folder = self.folders[key] = _segments.new_folder(parent)
+                _tell(REGISTER, folder)
+                atexit.register(_remove_folder, folder, os.getpid())
+        return folder
+
+
+_owned = _Owned()
 
 
 def live() -> tuple[int, int]:
     """How many segments this process owns now, and their total size in bytes."""
-    sizes = list(_live.values())
+    sizes = list(_owned.sizes.values())
     return len(sizes), sum(sizes)
 
 
 def _unlink(name: str, owner_pid: int) -> None:
-    _live.pop(name, None)
+    _owned.sizes.pop(name, None)
     if os.getpid() == owner_pid:
         _segments.unlink(name)
         _tell(UNREGISTER, name)
@@ -124,7 +146,7 @@ def _create(size: int, spill_to: str | None) -> Mapping:
         if spill_to is None:
             raise
         logger.info("%s; spilling to a file in %s", exc, spill_to)
-        folder = _spill_folder(spill_to)
+        folder = _owned.spill_folder(spill_to)
         return _create_named(os.path.join(folder, _segments.new_name()), size)
 
 
@@ -137,7 +159,18 @@ def _create_named(name: str, size: int) -> Mapping:
         raise
 
 
-_warned = False  # a fallback was reported in this process
+def _remove_folder(folder: str, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:
+        try:
+            _segments.unlink(folder)
+        except OSError:  # still holds files handed to another process: the sweeper's
+            return
+        _tell(UNREGISTER, folder)
+
+
+# A fallback was reported in this process (or in the process it was forked from: the
+# cause is the machine's, the user was told).
+_warned = False
 
 
 def warn_fallback(message: str) -> None:
@@ -151,31 +184,6 @@ def warn_fallback(message: str) -> None:
     if not _warned:
         _warned = True
         warnings.warn(message, SharexecWarning, stacklevel=4)
-
-
-# This process's folders for file-backed segments, by parent folder,
-# e.g. {(41, "/tmp"): "/tmp/sharexec-41-k2j3"}.
-_spill_folders: dict[tuple[int, str], str] = {}
-
-
-def _spill_folder(parent: str) -> str:
-    key = (os.getpid(), parent)
-    with _lock:
-        folder = _spill_folders.get(key)
-        if folder is None:
-            folder = _spill_folders[key] = _segments.new_folder(parent)
-            _tell(REGISTER, folder)
-            atexit.register(_remove_folder, folder, os.getpid())
-    return folder
-
-
-def _remove_folder(folder: str, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:
-        try:
-            _segments.unlink(folder)
-        except OSError:  # still holds files handed to another process: the sweeper's
-            return
-        _tell(UNREGISTER, folder)
 
 
 def owns(mapping: Mapping) -> bool:
@@ -196,52 +204,70 @@ def hand_off(mapping: Mapping) -> None:
 # Shared mappings, by address and by name
 # ---------------------------------------------------------------------------------------
 
-_lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
-# Start addresses of the live shared mappings, sorted, e.g. [139872512, 139876608], and
-# the mapping at each, e.g. {139872512: <weakref to Mapping 'sharexec-41-Zm9v'>}.
-_starts: list[int] = []
-_by_start: dict[int, weakref.ref[Mapping]] = {}
-# The same mappings by segment name, so a segment is mapped once per process.
-_by_name: weakref.WeakValueDictionary[str, Mapping] = weakref.WeakValueDictionary()
+
+class _Registry:
+    """The shared mappings of this process, by address range and by segment name."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
+        # Start addresses of the live shared mappings, sorted, e.g. [139872512, 139876608],
+        # and the mapping at each, e.g. {139872512: <weakref to Mapping 'sharexec-41-Zm9v'>}.
+        self.starts: list[int] = []
+        self.by_start: dict[int, weakref.ref[Mapping]] = {}
+        # The same mappings by segment name, so a segment is mapped once per process,
+        # e.g. {"sharexec-41-Zm9v": <Mapping 'sharexec-41-Zm9v'>}.
+        self.by_name: weakref.WeakValueDictionary[str, Mapping] = weakref.WeakValueDictionary()
+        # In a thread inside attached_shared, .shared: the mappings it attached, e.g. [].
+        self.attaching = threading.local()
+
+    def add(self, mapping: Mapping) -> Mapping:
+        start = mapping.address
+        with self.lock:
+            if start not in self.by_start:  # starts stay unique, even if a callback is late
+                bisect.insort(self.starts, start)
+            ref = weakref.ref(mapping, partial(self._drop, start))
+            self.by_start[start] = ref
+            self.by_name[mapping.name] = mapping
+        return mapping
+
+    def _drop(self, start: int, ref: weakref.ref[Mapping]) -> None:
+        # Only the entry this weakref made: a mapping since registered at the same address
+        # (a new mmap may reuse the address) keeps its entry.
+        with self.lock:
+            if self.by_start.get(start) is not ref:
+                return
+            del self.by_start[start]
+            i = bisect.bisect_left(self.starts, start)
+            if i < len(self.starts) and self.starts[i] == start:
+                del self.starts[i]
+
+    def named(self, name: str) -> Mapping | None:
+        """This process's shared mapping of the segment ``name``, if it has one."""
+        with self.lock:
+            return self.by_name.get(name)
+
+    def find(self, low: int, high: int) -> tuple[Mapping, int] | None:
+        """The shared mapping holding the bytes ``[low, high)``, and ``low``'s offset in it."""
+        if not self.starts:
+            return None
+        with self.lock:
+            i = bisect.bisect_right(self.starts, low) - 1
+            if i < 0:
+                return None
+            # .get: the garbage collector may run a _drop (re-entrant lock) at any point
+            ref = self.by_start.get(self.starts[i])
+            mapping = ref() if ref is not None else None
+        if mapping is None or high > mapping.address + len(mapping):
+            return None
+        return mapping, low - mapping.address
 
 
-def _register(mapping: Mapping) -> Mapping:
-    start = mapping.address
-    with _lock:
-        if start not in _by_start:  # starts stay unique, even if a callback is late
-            bisect.insort(_starts, start)
-        ref = weakref.ref(mapping, partial(_forget, start))
-        _by_start[start] = ref
-        _by_name[mapping.name] = mapping
-    return mapping
-
-
-def _forget(start: int, ref: weakref.ref[Mapping]) -> None:
-    # Only the entry this weakref made: a mapping since registered at the same address
-    # (a new mmap may reuse the address) keeps its entry.
-    with _lock:
-        if _by_start.get(start) is not ref:
-            return
-        del _by_start[start]
-        i = bisect.bisect_left(_starts, start)
-        if i < len(_starts) and _starts[i] == start:
-            del _starts[i]
+_registry = _Registry()
 
 
 def find_shared(low: int, high: int) -> tuple[Mapping, int] | None:
     """The shared mapping holding the bytes ``[low, high)``, and ``low``'s offset in it."""
-    if not _starts:
-        return None
-    with _lock:
-        i = bisect.bisect_right(_starts, low) - 1
-        if i < 0:
-            return None
-        # .get: the garbage collector may run a _forget (re-entrant lock) at any point
-        ref = _by_start.get(_starts[i])
-        mapping = ref() if ref is not None else None
-    if mapping is None or high > mapping.address + len(mapping):
-        return None
-    return mapping, low - mapping.address
+    return _registry.find(low, high)
 
 
 # ---------------------------------------------------------------------------------------
@@ -253,7 +279,7 @@ def new_shared(size: int, spill_to: str | None = None) -> Mapping:
     """A new segment for a shared array, owned by this process and listed as shared."""
     mapping = _create(size, spill_to)
     logger.debug("created shared segment %s (%d bytes)", mapping.name, size)
-    return _register(mapping)
+    return _registry.add(mapping)
 
 
 def new_private(size: int, spill_to: str | None = None) -> Mapping:
@@ -268,8 +294,7 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
 
     With ``adopt``, the sender handed its ownership over and this process frees it.
     """
-    with _lock:
-        mapping = _by_name.get(name)
+    mapping = _registry.named(name)
     if mapping is not None:
         if adopt and mapping.owner is None:
             _own(mapping)  # the sweeper moved it to the root already (H)
@@ -277,25 +302,22 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
         mapping = _segments.attach(name, size, private=False)
         if adopt:
             _own(mapping)
-        mapping = _register(mapping)
-    seen = getattr(_attaching, "shared", None)
+        mapping = _registry.add(mapping)
+    seen = getattr(_registry.attaching, "shared", None)
     if seen is not None:
         seen.append(mapping)
     return mapping
-
-
-_attaching = threading.local()  # .shared: see attached_shared
 
 
 @contextlib.contextmanager
 def attached_shared() -> Iterator[list[Mapping]]:
     """The shared segments this thread maps (or finds mapped) within the block."""
     seen: list[Mapping] = []
-    _attaching.shared = seen
+    _registry.attaching.shared = seen
     try:
         yield seen
     finally:
-        _attaching.shared = None
+        _registry.attaching.shared = None
 
 
 def attach_private(name: str, size: int) -> Mapping:
@@ -344,83 +366,102 @@ def adopt_private(name: str, size: int) -> Mapping:
 # protocol), and tells it through a pipe; every other process tells it through a Unix
 # socket whose address it receives with its tasks (join_sweeper).
 
-# This process's line to the sweeper, e.g. a socket; None until the first segment.
-_channel: socket.socket | int | None = None
-_channel_pid = 0  # the process that opened _channel (a forked child opens its own)
-# The sweeper's socket address (Linux abstract namespace), e.g. b"\0sharexec-Zm9vYmFy".
-_address: bytes | None = None
-_channel_lock = threading.RLock()
-_outbox: list[bytes] = []  # lines not sent yet, e.g. [b"R sharexec-41-Zm9v\n"]
-_sending = False  # a _tell is sending (in the thread holding _channel_lock)
-_sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
+
+class _Channel:
+    """This process's line to the sweeper, and the lines waiting to go through it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entrant: a finalizer may tell while it is held
+        # The sweeper's socket address (Linux abstract namespace), e.g.
+        # b"\0sharexec-sweeper-9f86d081884c7d659a2feaa0"; None until this process starts
+        # a sweeper (the root) or joins one (the others).
+        self.address: bytes | None = None
+        # The line: in the root, the write end of the sweeper's stdin, e.g. 7; in the
+        # others, a connected socket; None until the first event.
+        self.line: socket.socket | int | None = None
+        self.pid = 0  # the process that opened the line (a forked child opens its own)
+        self.outbox: list[bytes] = []  # lines not sent yet, e.g. [b"R sharexec-41-Zm9v\n"]
+        self.sending = False  # a tell is sending (in the thread holding the lock)
+        self.sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
+
+    def tell(self, op: str, name: str) -> None:
+        """Tell the sweeper about a segment, starting or joining one first if needed.
+
+        Re-entrant: the garbage collector may run a segment's finalizer (which tells the
+        sweeper) in the middle of this very method; that line is queued and sent by the
+        outer call, never waited for (a plain lock would deadlock the thread).
+        """
+        with self.lock:
+            self.outbox.append(_sweeper.encode(op, name))
+            if self.sending:
+                return
+            self.sending = True
+            try:
+                while self.outbox:
+                    line = self.open()
+                    data = b"".join(self.outbox)
+                    self.outbox.clear()
+                    with contextlib.suppress(OSError):  # the sweeper is gone: nothing to tell
+                        if isinstance(line, socket.socket):
+                            line.sendall(data)
+                        else:
+                            os.write(line, data)
+            finally:
+                self.sending = False
+
+    def open(self) -> socket.socket | int:
+        """The line, opened first if need be (in the root, by starting the sweeper)."""
+        if self.line is not None and self.pid == os.getpid():
+            return self.line
+        if self.address is not None:  # a worker, or a forked child of the root
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(self.address)
+            self.line = conn
+        else:
+            self.address, self.sweeper_pid, self.line = _start_sweeper()
+            os.register_at_fork(after_in_child=self._forget_root_line)
+        self.pid = os.getpid()
+        return self.line
+
+    def _forget_root_line(self) -> None:
+        # A forked child must not hold the root's pipe open (the sweeper would never see
+        # the root die): it closes its copy and will connect to the socket instead.
+        if isinstance(self.line, int):
+            os.close(self.line)
+        self.line = None
+
+
+_channel = _Channel()
 
 
 def _tell(op: str, name: str) -> None:
-    """Tell the sweeper about a segment, starting or joining one first if needed.
-
-    Re-entrant: the garbage collector may run a segment's finalizer (which tells the
-    sweeper) in the middle of this very function; that message is queued and sent by
-    the outer call, never waited for (a plain lock would deadlock the thread).
-    """
-    global _sending
-    with _channel_lock:
-        _outbox.append(_sweeper.encode(op, name))
-        if _sending:
-            return
-        _sending = True
-        try:
-            while _outbox:
-                channel = _open_channel()
-                data = b"".join(_outbox)
-                _outbox.clear()
-                with contextlib.suppress(OSError):  # the sweeper is gone: nothing to tell
-                    if isinstance(channel, socket.socket):
-                        channel.sendall(data)
-                    else:
-                        os.write(channel, data)
-        finally:
-            _sending = False
-
-
-def _open_channel() -> socket.socket | int:
-    global _channel, _channel_pid
-    if _channel is not None and _channel_pid == os.getpid():
-        return _channel
-    if _address is not None:  # a worker, or a forked child of the root
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(_address)
-        _channel = conn
-    else:
-        _channel = _start_sweeper()
-    _channel_pid = os.getpid()
-    return _channel
+    _channel.tell(op, name)
 
 
 def sweeper_address() -> bytes:
     """The address workers use to reach this session's sweeper (started if needed)."""
-    with _channel_lock:
-        _open_channel()
-    assert _address is not None
-    return _address
+    with _channel.lock:
+        _channel.open()
+    assert _channel.address is not None
+    return _channel.address
 
 
 def join_sweeper(address: bytes) -> None:
     """In a worker: report to the root's sweeper rather than start one of its own."""
-    global _address
-    if _address is None:
-        _address = address
+    if _channel.address is None:
+        _channel.address = address
 
 
-def _start_sweeper() -> int:
-    global _address
-    _address = b"\0sharexec-sweeper-" + os.urandom(12).hex().encode()
+def _start_sweeper() -> tuple[bytes, int, int]:
+    """Start this session's sweeper: its address, its pid, and the write end of its stdin."""
+    address = b"\0sharexec-sweeper-" + os.urandom(12).hex().encode()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(_address)
+    listener.bind(address)
     listener.listen(64)
     read_end, write_end = os.pipe()
     # The sweeper imports this package from where it lies, and nothing from site-packages
     # (-S: no site processing, a few ms less of a start that competes with the first
-    # workers'; most of the rest, ~35 ms, is importing _tracking and _segments).
+    # workers'; most of the rest, ~35 ms, is importing _sweeper and _segments).
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
@@ -430,8 +471,7 @@ def _start_sweeper() -> int:
         "import sys; sys.path[:] = [p for p in sys.path if p]; "
         "from sharexec._sweeper import sweeper_main; sweeper_main()"
     )
-    global _sweeper_pid
-    _sweeper_pid = os.posix_spawn(
+    pid = os.posix_spawn(
         sys.executable,
         [sys.executable, "-S", "-c", code],
         env,
@@ -443,18 +483,8 @@ def _start_sweeper() -> int:
     )
     os.close(read_end)
     listener.close()
-    os.register_at_fork(after_in_child=_forget_root_channel)
     logger.debug("started the sweeper")
-    return write_end
-
-
-def _forget_root_channel() -> None:
-    # A forked child must not hold the root's pipe open (the sweeper would never see
-    # the root die): it closes its copy and will connect to the socket instead.
-    global _channel
-    if isinstance(_channel, int):
-        os.close(_channel)
-    _channel = None
+    return address, pid, write_end
 
 
 # ---------------------------------------------------------------------------------------

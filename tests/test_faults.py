@@ -44,7 +44,7 @@ def started():
         f.read()
 
 def announce_sweeper():
-    print("sweeper", _tracking._sweeper_pid, flush=True)
+    print("sweeper", _tracking._channel.sweeper_pid, flush=True)
 """
 
 
@@ -196,7 +196,8 @@ def test_ctrl_c_in_map(start_method, tmp_path):
             announce_sweeper_later = True
             with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
                 try:
-                    print("sweeper", _tracking.sweeper_address() and _tracking._sweeper_pid,
+                    print("sweeper",
+                          _tracking.sweeper_address() and _tracking._channel.sweeper_pid,
                           flush=True)
                     list(ex.map(f, [np.ones(500_000)] * 6))
                 except KeyboardInterrupt:
