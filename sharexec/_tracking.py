@@ -1,6 +1,7 @@
 """Ownership of segments: who maps what, who frees what, and when.
 
-This module is the only one that unlinks. Its rules:
+This module is the only one that unlinks (but for the sweeper process, which frees what
+dead processes left). Its rules:
 
 * Each segment this process must free has one :class:`Segment` handle. The handle is
   unlinked when it is garbage-collected, so Python's own reference counts decide a
@@ -13,9 +14,30 @@ This module is the only one that unlinks. Its rules:
   arguments, results) are deliberately not listed: they have copy semantics.
 * Attaching never registers a segment for unlinking by the attacher, unless the sender
   handed its ownership over (a worker returning a shared array it allocated).
-* A process that dies runs no finalizer: the *sweeper*, a small process started by the
-  first process of a session to create a segment, learns of every segment as it is
-  created, freed or handed over, and unlinks what a dead process still owned.
+* A process that dies runs no finalizer: the *sweeper* (:mod:`sharexec._sweeper`), a
+  small process started by the first process of a session to create a segment, learns of
+  every segment as it is created, freed or handed over, and unlinks what a dead process
+  still owned.
+
+This process's state lives in three objects: ``_owned`` (what it must free), ``_registry``
+(its shared mappings) and ``_channel`` (its line to the sweeper), each with its own lock.
+Lock order: ``_owned``'s is held while ``_channel``'s is taken; no lock is taken while
+``_registry``'s is held (but by a finalizer the garbage collector runs meanwhile).
+
+A forked child inherits all three. Each resets itself in the child with one after-fork
+hook (``os.register_at_fork``), registered when this module is imported:
+
+* hooks rather than pid checks at each use, because some resets must happen at the fork
+  itself: a child still holding the root's pipe would hide the root's death from the
+  sweeper, and a lock held by another thread of the parent would stay held in the child;
+* at import rather than at first use, because a registration does nothing until a fork,
+  and then touches only this module's state (empty until used), as the standard
+  library's own hooks do (``threading``, ``random``, ``logging``); registering at first
+  use would need a guard on every path that first makes state. ``import sharexec`` does
+  not import this module;
+* pid checks remain only where code of the parent's runs in the child by itself, out of
+  any hook's reach: a segment's finalizer and a folder's ``atexit`` carry their
+  creator's pid, so a forked child never frees its parent's segments.
 """
 
 from __future__ import annotations
@@ -74,7 +96,7 @@ class Segment:
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
-        self.pid = os.getpid()
+        self.pid = os.getpid()  # a forked child inherits this handle and its finalizer
         self._finalizer = weakref.finalize(self, _unlink, name, self.pid)
         _owned.sizes[name] = size
 
@@ -95,24 +117,30 @@ class _Owned:
     def __init__(self) -> None:
         # Its segments now, with their sizes, e.g. {"sharexec-41-Zm9v": 8000000}.
         self.sizes: dict[str, int] = {}
-        # Its folders for file-backed segments, by process and parent folder, e.g.
-        # {(41, "/tmp"): "/tmp/sharexec-41-k2j3"}; each is removed at exit if empty.
-        self.folders: dict[tuple[int, str], str] = {}
+        # Its folders for file-backed segments, by parent folder,
+        # e.g. {"/tmp": "/tmp/sharexec-41-k2j3"}; each is removed at exit if empty.
+        self.folders: dict[str, str] = {}
         self.lock = threading.Lock()  # one folder per parent, whichever thread spills first
 
     def spill_folder(self, parent: str) -> str:
         """This process's folder for file-backed segments inside ``parent``, made once."""
-        key = (os.getpid(), parent)
         with self.lock:
-            folder = self.folders.get(key)
+            folder = self.folders.get(parent)
             if folder is None:
-                folder = self.folders[key] = _segments.new_folder(parent)
+                folder = self.folders[parent] = _segments.new_folder(parent)
                 _tell(REGISTER, folder)
                 atexit.register(_remove_folder, folder, os.getpid())
         return folder
 
+    def after_fork_in_child(self) -> None:
+        """A forked child owns nothing yet: what it inherited is its parent's to free."""
+        self.sizes = {}
+        self.folders = {}
+        self.lock = threading.Lock()
+
 
 _owned = _Owned()
+os.register_at_fork(after_in_child=_owned.after_fork_in_child)
 
 
 def live() -> tuple[int, int]:
@@ -123,7 +151,7 @@ def live() -> tuple[int, int]:
 
 def _unlink(name: str, owner_pid: int) -> None:
     _owned.sizes.pop(name, None)
-    if os.getpid() == owner_pid:
+    if os.getpid() == owner_pid:  # never in a forked child, even if it runs the finalizer
         _segments.unlink(name)
         _tell(UNREGISTER, name)
         logger.debug("unlinked segment %s", name)
@@ -160,7 +188,7 @@ def _create_named(name: str, size: int) -> Mapping:
 
 
 def _remove_folder(folder: str, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:
+    if os.getpid() == owner_pid:  # a forked child inherits the atexit call too
         try:
             _segments.unlink(folder)
         except OSError:  # still holds files handed to another process: the sweeper's
@@ -261,8 +289,13 @@ class _Registry:
             return None
         return mapping, low - mapping.address
 
+    def after_fork_in_child(self) -> None:
+        """A forked child keeps its parent's mappings, and this list of them; a new lock."""
+        self.lock = threading.RLock()
+
 
 _registry = _Registry()
+os.register_at_fork(after_in_child=_registry.after_fork_in_child)
 
 
 def find_shared(low: int, high: int) -> tuple[Mapping, int] | None:
@@ -379,7 +412,6 @@ class _Channel:
         # The line: in the root, the write end of the sweeper's stdin, e.g. 7; in the
         # others, a connected socket; None until the first event.
         self.line: socket.socket | int | None = None
-        self.pid = 0  # the process that opened the line (a forked child opens its own)
         self.outbox: list[bytes] = []  # lines not sent yet, e.g. [b"R sharexec-41-Zm9v\n"]
         self.sending = False  # a tell is sending (in the thread holding the lock)
         self.sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
@@ -411,27 +443,36 @@ class _Channel:
 
     def open(self) -> socket.socket | int:
         """The line, opened first if need be (in the root, by starting the sweeper)."""
-        if self.line is not None and self.pid == os.getpid():
+        if self.line is not None:
             return self.line
-        if self.address is not None:  # a worker, or a forked child of the root
+        if self.address is not None:  # a worker, or a forked child
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(self.address)
             self.line = conn
         else:
             self.address, self.sweeper_pid, self.line = _start_sweeper()
-            os.register_at_fork(after_in_child=self._forget_root_line)
-        self.pid = os.getpid()
         return self.line
 
-    def _forget_root_line(self) -> None:
-        # A forked child must not hold the root's pipe open (the sweeper would never see
-        # the root die): it closes its copy and will connect to the socket instead.
-        if isinstance(self.line, int):
+    def after_fork_in_child(self) -> None:
+        """A forked child tells the same sweeper on a line of its own, opened when needed.
+
+        It closes its copy of its parent's line at once: a child holding the root's pipe
+        open would hide the root's death from the sweeper, and one holding a worker's
+        connection, that worker's. The parent's queued lines are the parent's to send.
+        """
+        if isinstance(self.line, socket.socket):
+            self.line.close()  # this process's descriptor only: the parent's stays open
+        elif self.line is not None:
             os.close(self.line)
         self.line = None
+        self.lock = threading.RLock()
+        self.outbox = []
+        self.sending = False
+        self.sweeper_pid = 0  # the sweeper is the root's child, not this one's
 
 
 _channel = _Channel()
+os.register_at_fork(after_in_child=_channel.after_fork_in_child)
 
 
 def _tell(op: str, name: str) -> None:
