@@ -410,10 +410,11 @@ class _Channel:
         # a sweeper (the root) or joins one (the others).
         self.address: bytes | None = None
         # The line: in the root, the write end of the sweeper's stdin, e.g. 7; in the
-        # others, a connected socket; None until the first event.
+        # others, a connected socket; None until the first event, and while the sweeper
+        # cannot be reached (a failed connection is not kept: tried again at each event).
         self.line: socket.socket | int | None = None
         self.outbox: list[bytes] = []  # lines not sent yet, e.g. [b"R sharexec-41-Zm9v\n"]
-        self.sending = False  # a tell is sending (in the thread holding the lock)
+        self.sending = False  # the thread holding the lock is opening the line or sending
         self.sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
 
     def tell(self, op: str, name: str) -> None:
@@ -422,35 +423,49 @@ class _Channel:
         Re-entrant: the garbage collector may run a segment's finalizer (which tells the
         sweeper) in the middle of this very method; that line is queued and sent by the
         outer call, never waited for (a plain lock would deadlock the thread).
+
+        A sweeper that is gone hears nothing, and nothing is raised: what is lost is the
+        sweep after a crash, never a task.
         """
         with self.lock:
             self.outbox.append(_sweeper.encode(op, name))
-            if self.sending:
-                return
-            self.sending = True
-            try:
-                while self.outbox:
-                    line = self.open()
-                    data = b"".join(self.outbox)
-                    self.outbox.clear()
-                    with contextlib.suppress(OSError):  # the sweeper is gone: nothing to tell
-                        if isinstance(line, socket.socket):
-                            line.sendall(data)
-                        else:
-                            os.write(line, data)
-            finally:
-                self.sending = False
+            self._flush()
 
-    def open(self) -> socket.socket | int:
-        """The line, opened first if need be (in the root, by starting the sweeper)."""
-        if self.line is not None:
-            return self.line
-        if self.address is not None:  # a worker, or a forked child
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.connect(self.address)
-            self.line = conn
-        else:
-            self.address, self.sweeper_pid, self.line = _start_sweeper()
+    def reach(self) -> bytes:
+        """The sweeper's address, after starting it if this process is the root."""
+        with self.lock:
+            self._flush()
+            assert self.address is not None
+            return self.address
+
+    def _flush(self) -> None:
+        """Open the line if need be and send what is queued (holding the lock)."""
+        if self.sending:
+            return  # a finalizer ran inside this thread's own call, which sends its line
+        self.sending = True
+        try:
+            line = self._open()
+            while self.outbox:
+                data = b"".join(self.outbox)
+                self.outbox.clear()
+                if line is None:
+                    continue  # out of reach: dropped, as lines sent to a dead sweeper are
+                with contextlib.suppress(OSError):  # the sweeper is gone: nothing to tell
+                    if isinstance(line, socket.socket):
+                        line.sendall(data)
+                    else:
+                        os.write(line, data)
+        finally:
+            self.sending = False
+
+    def _open(self) -> socket.socket | int | None:
+        """The line, opened first if need be: in the root by starting the sweeper, in the
+        others by connecting to it (None if that fails)."""
+        if self.line is None:
+            if self.address is None:  # the root
+                self.address, self.sweeper_pid, self.line = _start_sweeper()
+            else:  # a worker, or a forked child
+                self.line = _connect(self.address)
         return self.line
 
     def after_fork_in_child(self) -> None:
@@ -481,10 +496,7 @@ def _tell(op: str, name: str) -> None:
 
 def sweeper_address() -> bytes:
     """The address workers use to reach this session's sweeper (started if needed)."""
-    with _channel.lock:
-        _channel.open()
-    assert _channel.address is not None
-    return _channel.address
+    return _channel.reach()
 
 
 def join_sweeper(address: bytes) -> None:
@@ -493,16 +505,28 @@ def join_sweeper(address: bytes) -> None:
         _channel.address = address
 
 
+def _connect(address: bytes) -> socket.socket | None:
+    """A connection to the sweeper listening at ``address``; None if there is none."""
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(address)
+        except BaseException:
+            conn.close()
+            raise
+    except OSError as exc:  # refused: the sweeper is gone (or no descriptor is left)
+        logger.debug("cannot reach the sweeper: %s", exc)
+        return None
+    return conn
+
+
 def _start_sweeper() -> tuple[bytes, int, int]:
     """Start this session's sweeper: its address, its pid, and the write end of its stdin."""
     address = b"\0sharexec-sweeper-" + os.urandom(12).hex().encode()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(64)
-    read_end, write_end = os.pipe()
     # The sweeper imports this package from where it lies, and nothing from site-packages
     # (-S: no site processing, a few ms less of a start that competes with the first
-    # workers'; most of the rest, ~35 ms, is importing _sweeper and _segments).
+    # workers'; most of the rest is importing _segments, whose errors module loads
+    # concurrent.futures.process).
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
@@ -512,18 +536,26 @@ def _start_sweeper() -> tuple[bytes, int, int]:
         "import sys; sys.path[:] = [p for p in sys.path if p]; "
         "from sharexec._sweeper import sweeper_main; sweeper_main()"
     )
-    pid = os.posix_spawn(
-        sys.executable,
-        [sys.executable, "-S", "-c", code],
-        env,
-        file_actions=[
-            (os.POSIX_SPAWN_DUP2, read_end, 0),
-            (os.POSIX_SPAWN_DUP2, listener.fileno(), _sweeper.LISTENER_FD),
-        ],
-        setsid=True,  # out of the terminal's process group: Ctrl-C is for the root
-    )
-    os.close(read_end)
-    listener.close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:  # the sweeper's fd 3
+        listener.bind(address)
+        listener.listen(64)
+        read_end, write_end = os.pipe()
+        try:
+            pid = os.posix_spawn(
+                sys.executable,
+                [sys.executable, "-S", "-c", code],
+                env,
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, read_end, 0),
+                    (os.POSIX_SPAWN_DUP2, listener.fileno(), _sweeper.LISTENER_FD),
+                ],
+                setsid=True,  # out of the terminal's process group: Ctrl-C is for the root
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
     logger.debug("started the sweeper")
     return address, pid, write_end
 

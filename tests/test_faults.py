@@ -330,6 +330,69 @@ def test_max_tasks_per_child_recycling_under_load(start_method, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
+# The sweeper itself: out of reach, it costs crash protection, never a task
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_dead_sweeper_fails_nothing(start_method, tmp_path):
+    """With the sweeper killed, segments are still created: by workers, which cannot
+    connect to it, and by the root, whose pipe to it is broken."""
+    proc = run_scenario(
+        tmp_path,
+        """
+        def f(a):
+            mine = sharexec.full(300_000, 2.0)  # this worker's first segment
+            return float((mine * a).sum()), a * 3  # and a large result
+
+        if __name__ == "__main__":
+            keep = sharexec.zeros(300_000)  # the sweeper starts
+            sweeper = _tracking._channel.sweeper_pid
+            os.kill(sweeper, signal.SIGKILL)
+            os.waitpid(sweeper, 0)
+            more = sharexec.ones(300_000)
+            with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+                results = [ex.submit(f, np.ones(300_000)).result() for _ in range(3)]
+            print("exact", more.sum() == 300_000 and all(
+                total == 600_000 and tripled.sum() == 900_000 for total, tripled in results
+            ))
+        """,
+        start_method,
+    )
+    out = finish(proc)
+    assert "exact True" in out
+    assert_none_left(left_by(proc))
+
+
+def test_a_sweeper_out_of_reach_is_tried_again(no_leaks):
+    """A process that cannot connect to the sweeper tells it nothing and raises nothing,
+    and tries again at its next segment: a failed connection is not kept."""
+    code = textwrap.dedent(
+        """
+        import os, socket
+        from sharexec import _tracking
+
+        address = b"\\0sharexec-test-" + os.urandom(12).hex().encode()
+        _tracking.join_sweeper(address)  # as a worker does; nobody listens there yet
+        first = _tracking.new_private(4096)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(1)
+        second = _tracking.new_private(4096)
+        conn, _ = listener.accept()
+        heard = b""
+        while not heard.endswith(b"\\n"):
+            heard += conn.recv(4096)
+        print(repr(heard.decode()))
+        print(repr(f"R {second.name}\\n"))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    heard, expected = (ast.literal_eval(line) for line in done.stdout.splitlines())
+    assert heard == expected  # the second segment, told on a new connection; not the first
+
+
+# ---------------------------------------------------------------------------------------
 # A small /dev/shm (Docker's default is 64 MB): never SIGBUS, fall back, stay exact
 # ---------------------------------------------------------------------------------------
 
