@@ -68,6 +68,18 @@ def wait_exit(pids: list[int], timeout: float) -> list[int]:
             os.close(fd)
 
 
+def alive(pid: int) -> bool:
+    """Whether the process ``pid`` has not exited (a zombie has)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        return not select.select([fd], [], [], 0)[0]
+    finally:
+        os.close(fd)
+
+
 def left_by(proc: subprocess.Popen) -> set[str]:
     """Segments that appeared since the scenario started and whose creator is dead.
 
@@ -390,6 +402,44 @@ def test_a_sweeper_out_of_reach_is_tried_again(no_leaks):
     assert done.returncode == 0, done.stderr
     heard, expected = (ast.literal_eval(line) for line in done.stdout.splitlines())
     assert heard == expected  # the second segment, told on a new connection; not the first
+
+
+def test_a_forked_child_does_not_keep_the_sweeper_waiting(tmp_path):
+    """A forked child closes its copy of the root's pipe to the sweeper at once: when the
+    root dies, what it owned is swept while the child lives on."""
+    proc = run_scenario(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            keep = sharexec.zeros(300_000)  # the sweeper starts
+            child = os.fork()
+            if child == 0:
+                os.read(0, 1)  # lives until the test closes its stdin
+                os._exit(0)
+            print("child", child, flush=True)
+            announce_sweeper()
+            os.kill(os.getpid(), signal.SIGKILL)
+        """,
+        "fork",
+        stdin=subprocess.PIPE,
+    )
+    child = int(proc.stdout.readline().split()[1])
+    sweeper = int(proc.stdout.readline().split()[1])
+    try:
+        proc.wait(60)
+        exited(proc.returncode, -signal.SIGKILL)
+        assert proc.returncode == -signal.SIGKILL
+        outlived = wait_exit([sweeper], 15)
+        assert alive(child), "the forked child should still be alive"
+        if outlived:
+            faults_plugin.crashed("the sweeper waited for a forked child")
+        assert not outlived, "the sweeper waited for the root's forked child"
+        assert_none_left(left_by(proc))
+    finally:
+        proc.stdin.close()  # the child goes
+        wait_exit([child], 15)
+        proc.stdout.close()
+        proc.stderr.close()
 
 
 # ---------------------------------------------------------------------------------------
