@@ -48,7 +48,7 @@ __all__ = [
     "REGISTER",
     "UNREGISTER",
     "encode",
-    "sweeper_main",
+    "sweeper_main",  # named in the command line _tracking starts the sweeper with
 ]
 
 # ---------------------------------------------------------------------------------------

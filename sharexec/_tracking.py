@@ -62,12 +62,12 @@ from ._sweeper import HAND_OFF, REGISTER, UNREGISTER
 from .errors import SegmentError, SharexecWarning
 
 __all__ = [
-    "Segment",
     "adopt",
     "adopt_private",
     "attach_lent",
     "attach_private",
     "attach_shared",
+    "attached_shared",
     "find_shared",
     "forget",
     "hand_off",
