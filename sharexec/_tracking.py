@@ -35,9 +35,10 @@ hook (``os.register_at_fork``), registered when this module is imported:
   library's own hooks do (``threading``, ``random``, ``logging``); registering at first
   use would need a guard on every path that first makes state. ``import sharexec`` does
   not import this module;
-* pid checks remain only where code of the parent's runs in the child by itself, out of
-  any hook's reach: a segment's finalizer and a folder's ``atexit`` carry their
-  creator's pid, so a forked child never frees its parent's segments.
+* pid checks remain only where the parent's objects and callbacks live on in the child,
+  out of any hook's reach: a segment's handle and its finalizer, and a folder's
+  ``atexit`` call, carry their creator's pid, so a forked child never frees its parent's
+  segments.
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ class _Registry:
         self.attaching = threading.local()
 
     def add(self, mapping: Mapping) -> Mapping:
+        """List a shared mapping, until it is collected."""
         start = mapping.address
         with self.lock:
             if start not in self.by_start:  # starts stay unique, even if a callback is late
