@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - Windows
 
 __all__ = [
     "PREFIX",
+    "SHM_FOLDER",
     "Mapping",
     "attach",
     "create",
@@ -44,6 +45,7 @@ __all__ = [
     "listdir",
     "new_folder",
     "new_name",
+    "removals",
     "unlink",
     "written",
 ]

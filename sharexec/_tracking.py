@@ -1,6 +1,7 @@
 """Ownership of segments: who maps what, who frees what, and when.
 
-This module is the only one that unlinks. Its rules:
+This module is the only one that unlinks (but for the sweeper process, which frees what
+dead processes left). Its rules:
 
 * Each segment this process must free has one :class:`Segment` handle. The handle is
   unlinked when it is garbage-collected, so Python's own reference counts decide a
@@ -13,9 +14,31 @@ This module is the only one that unlinks. Its rules:
   arguments, results) are deliberately not listed: they have copy semantics.
 * Attaching never registers a segment for unlinking by the attacher, unless the sender
   handed its ownership over (a worker returning a shared array it allocated).
-* A process that dies runs no finalizer: the *sweeper*, a small process started by the
-  first process of a session to create a segment, learns of every segment as it is
-  created, freed or handed over, and unlinks what a dead process still owned.
+* A process that dies runs no finalizer: the *sweeper* (:mod:`sharexec._sweeper`), a
+  small process started by the first process of a session to create a segment, learns of
+  every segment as it is created, freed or handed over, and unlinks what a dead process
+  still owned.
+
+This process's state lives in three objects: ``_owned`` (what it must free), ``_registry``
+(its shared mappings) and ``_channel`` (its line to the sweeper), each with its own lock.
+Lock order: ``_owned``'s is held while ``_channel``'s is taken; no lock is taken while
+``_registry``'s is held (but by a finalizer the garbage collector runs meanwhile).
+
+A forked child inherits all three. Each resets itself in the child with one after-fork
+hook (``os.register_at_fork``), registered when this module is imported:
+
+* hooks rather than pid checks at each use, because some resets must happen at the fork
+  itself: a child still holding the root's pipe would hide the root's death from the
+  sweeper, and a lock held by another thread of the parent would stay held in the child;
+* at import rather than at first use, because a registration does nothing until a fork,
+  and then touches only this module's state (empty until used), as the standard
+  library's own hooks do (``threading``, ``random``, ``logging``); registering at first
+  use would need a guard on every path that first makes state. ``import sharexec`` does
+  not import this module;
+* pid checks remain only where the parent's objects and callbacks live on in the child,
+  out of any hook's reach: a segment's handle and its finalizer, and a folder's
+  ``atexit`` call, carry their creator's pid, so a forked child never frees its parent's
+  segments.
 """
 
 from __future__ import annotations
@@ -26,29 +49,26 @@ import contextlib
 import logging
 import os
 import select
-import selectors
-import signal
 import socket
-import struct
 import sys
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
 from functools import partial
 
-from . import _segments
+from . import _segments, _sweeper
 from ._segments import Mapping
+from ._sweeper import HAND_OFF, REGISTER, UNREGISTER
 from .errors import SegmentError, SharexecWarning
 
 __all__ = [
-    "Segment",
     "adopt",
     "adopt_private",
     "attach_lent",
     "attach_private",
     "attach_shared",
+    "attached_shared",
     "find_shared",
     "forget",
     "hand_off",
@@ -57,8 +77,8 @@ __all__ = [
     "new_private",
     "new_shared",
     "owns",
+    "spilled",
     "sweeper_address",
-    "sweeper_main",
     "warn_fallback",
     "watch_parent",
 ]
@@ -78,14 +98,14 @@ class Segment:
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
-        self.pid = os.getpid()
+        self.pid = os.getpid()  # a forked child inherits this handle and its finalizer
         self._finalizer = weakref.finalize(self, _unlink, name, self.pid)
-        _live[name] = size
+        _owned.sizes[name] = size
 
     def hand_off(self) -> None:
         """Give up ownership: another process will unlink this segment."""
         self._finalizer.detach()
-        _live.pop(self.name, None)
+        _owned.sizes.pop(self.name, None)
 
     @property
     def owned(self) -> bool:
@@ -93,21 +113,49 @@ class Segment:
         return self._finalizer.alive and self.pid == os.getpid()
 
 
-# Segments this process owns now, with their sizes, e.g. {"sharexec-41-Zm9v": 8000000}.
-_live: dict[str, int] = {}
+class _Owned:
+    """What this process must free: its segments, and its folders of file-backed ones."""
+
+    def __init__(self) -> None:
+        # Its segments now, with their sizes, e.g. {"sharexec-41-Zm9v": 8000000}.
+        self.sizes: dict[str, int] = {}
+        # Its folders for file-backed segments, by parent folder,
+        # e.g. {"/tmp": "/tmp/sharexec-41-k2j3"}; each is removed at exit if empty.
+        self.folders: dict[str, str] = {}
+        self.lock = threading.Lock()  # one folder per parent, whichever thread spills first
+
+    def spill_folder(self, parent: str) -> str:
+        """This process's folder for file-backed segments inside ``parent``, made once."""
+        with self.lock:
+            folder = self.folders.get(parent)
+            if folder is None:
+                folder = self.folders[parent] = _segments.new_folder(parent)
+                _tell(REGISTER, folder)
+                atexit.register(_remove_folder, folder, os.getpid())
+        return folder
+
+    def after_fork_in_child(self) -> None:
+        """A forked child owns nothing yet: what it inherited is its parent's to free."""
+        self.sizes = {}
+        self.folders = {}
+        self.lock = threading.Lock()
+
+
+_owned = _Owned()
+os.register_at_fork(after_in_child=_owned.after_fork_in_child)
 
 
 def live() -> tuple[int, int]:
     """How many segments this process owns now, and their total size in bytes."""
-    sizes = list(_live.values())
+    sizes = list(_owned.sizes.values())
     return len(sizes), sum(sizes)
 
 
 def _unlink(name: str, owner_pid: int) -> None:
-    _live.pop(name, None)
-    if os.getpid() == owner_pid:
+    _owned.sizes.pop(name, None)
+    if os.getpid() == owner_pid:  # never in a forked child, even if it runs the finalizer
         _segments.unlink(name)
-        _tell("U", name)
+        _tell(UNREGISTER, name)
         logger.debug("unlinked segment %s", name)
 
 
@@ -128,20 +176,31 @@ def _create(size: int, spill_to: str | None) -> Mapping:
         if spill_to is None:
             raise
         logger.info("%s; spilling to a file in %s", exc, spill_to)
-        folder = _spill_folder(spill_to)
+        folder = _owned.spill_folder(spill_to)
         return _create_named(os.path.join(folder, _segments.new_name()), size)
 
 
 def _create_named(name: str, size: int) -> Mapping:
-    _tell("R", name)  # first: a crash while the space is being reserved leaks nothing
+    _tell(REGISTER, name)  # first: a crash while the space is being reserved leaks nothing
     try:
         return _own(_segments.create(size, name))
     except BaseException:
-        _tell("U", name)
+        _tell(UNREGISTER, name)
         raise
 
 
-_warned = False  # a fallback was reported in this process
+def _remove_folder(folder: str, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:  # a forked child inherits the atexit call too
+        try:
+            _segments.unlink(folder)
+        except OSError:  # still holds files handed to another process: the sweeper's
+            return
+        _tell(UNREGISTER, folder)
+
+
+# A fallback was reported in this process (or in the process it was forked from: the
+# cause is the machine's, the user was told).
+_warned = False
 
 
 def warn_fallback(message: str) -> None:
@@ -167,31 +226,6 @@ def spilled(name: str, what: str) -> str:
     )
 
 
-# This process's folders for file-backed segments, by parent folder,
-# e.g. {(41, "/tmp"): "/tmp/sharexec-41-k2j3"}.
-_spill_folders: dict[tuple[int, str], str] = {}
-
-
-def _spill_folder(parent: str) -> str:
-    key = (os.getpid(), parent)
-    with _lock:
-        folder = _spill_folders.get(key)
-        if folder is None:
-            folder = _spill_folders[key] = _segments.new_folder(parent)
-            _tell("R", folder)
-            atexit.register(_remove_folder, folder, os.getpid())
-    return folder
-
-
-def _remove_folder(folder: str, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:
-        try:
-            _segments.unlink(folder)
-        except OSError:  # still holds files handed to another process: the sweeper's
-            return
-        _tell("U", folder)
-
-
 def owns(mapping: Mapping) -> bool:
     """Whether this process is the one to unlink ``mapping``'s segment."""
     owner = mapping.owner
@@ -203,59 +237,83 @@ def hand_off(mapping: Mapping) -> None:
     owner = mapping.owner
     if isinstance(owner, Segment) and owner.owned:
         owner.hand_off()
-        _tell("H", mapping.name)
+        _tell(HAND_OFF, mapping.name)
 
 
 # ---------------------------------------------------------------------------------------
 # Shared mappings, by address and by name
 # ---------------------------------------------------------------------------------------
 
-_lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
-# Start addresses of the live shared mappings, sorted, e.g. [139872512, 139876608], and
-# the mapping at each, e.g. {139872512: <weakref to Mapping 'sharexec-41-Zm9v'>}.
-_starts: list[int] = []
-_by_start: dict[int, weakref.ref[Mapping]] = {}
-# The same mappings by segment name, so a segment is mapped once per process.
-_by_name: weakref.WeakValueDictionary[str, Mapping] = weakref.WeakValueDictionary()
+
+class _Registry:
+    """The shared mappings of this process, by address range and by segment name."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
+        # Start addresses of the live shared mappings, sorted, e.g. [139872512, 139876608],
+        # and the mapping at each, e.g. {139872512: <weakref to Mapping 'sharexec-41-Zm9v'>}.
+        self.starts: list[int] = []
+        self.by_start: dict[int, weakref.ref[Mapping]] = {}
+        # The same mappings by segment name, so a segment is mapped once per process,
+        # e.g. {"sharexec-41-Zm9v": <Mapping 'sharexec-41-Zm9v'>}.
+        self.by_name: weakref.WeakValueDictionary[str, Mapping] = weakref.WeakValueDictionary()
+        # In a thread inside attached_shared, .shared: the mappings it attached, e.g. [].
+        self.attaching = threading.local()
+
+    def add(self, mapping: Mapping) -> Mapping:
+        """List a shared mapping, until it is collected."""
+        start = mapping.address
+        with self.lock:
+            if start not in self.by_start:  # starts stay unique, even if a callback is late
+                bisect.insort(self.starts, start)
+            ref = weakref.ref(mapping, partial(self._drop, start))
+            self.by_start[start] = ref
+            self.by_name[mapping.name] = mapping
+        return mapping
+
+    def _drop(self, start: int, ref: weakref.ref[Mapping]) -> None:
+        # Only the entry this weakref made: a mapping since registered at the same address
+        # (a new mmap may reuse the address) keeps its entry.
+        with self.lock:
+            if self.by_start.get(start) is not ref:
+                return
+            del self.by_start[start]
+            i = bisect.bisect_left(self.starts, start)
+            if i < len(self.starts) and self.starts[i] == start:
+                del self.starts[i]
+
+    def named(self, name: str) -> Mapping | None:
+        """This process's shared mapping of the segment ``name``, if it has one."""
+        with self.lock:
+            return self.by_name.get(name)
+
+    def find(self, low: int, high: int) -> tuple[Mapping, int] | None:
+        """The shared mapping holding the bytes ``[low, high)``, and ``low``'s offset in it."""
+        if not self.starts:
+            return None
+        with self.lock:
+            i = bisect.bisect_right(self.starts, low) - 1
+            if i < 0:
+                return None
+            # .get: the garbage collector may run a _drop (re-entrant lock) at any point
+            ref = self.by_start.get(self.starts[i])
+            mapping = ref() if ref is not None else None
+        if mapping is None or high > mapping.address + len(mapping):
+            return None
+        return mapping, low - mapping.address
+
+    def after_fork_in_child(self) -> None:
+        """A forked child keeps its parent's mappings, and this list of them; a new lock."""
+        self.lock = threading.RLock()
 
 
-def _register(mapping: Mapping) -> Mapping:
-    start = mapping.address
-    with _lock:
-        if start not in _by_start:  # starts stay unique, even if a callback is late
-            bisect.insort(_starts, start)
-        ref = weakref.ref(mapping, partial(_forget, start))
-        _by_start[start] = ref
-        _by_name[mapping.name] = mapping
-    return mapping
-
-
-def _forget(start: int, ref: weakref.ref[Mapping]) -> None:
-    # Only the entry this weakref made: a mapping since registered at the same address
-    # (a new mmap may reuse the address) keeps its entry.
-    with _lock:
-        if _by_start.get(start) is not ref:
-            return
-        del _by_start[start]
-        i = bisect.bisect_left(_starts, start)
-        if i < len(_starts) and _starts[i] == start:
-            del _starts[i]
+_registry = _Registry()
+os.register_at_fork(after_in_child=_registry.after_fork_in_child)
 
 
 def find_shared(low: int, high: int) -> tuple[Mapping, int] | None:
     """The shared mapping holding the bytes ``[low, high)``, and ``low``'s offset in it."""
-    if not _starts:
-        return None
-    with _lock:
-        i = bisect.bisect_right(_starts, low) - 1
-        if i < 0:
-            return None
-        # .get: the garbage collector may run a _forget (re-entrant lock) at any point
-        ref = _by_start.get(_starts[i])
-        mapping = ref() if ref is not None else None
-    if mapping is None or high > mapping.address + len(mapping):
-        return None
-    return mapping, low - mapping.address
+    return _registry.find(low, high)
 
 
 # ---------------------------------------------------------------------------------------
@@ -267,7 +325,7 @@ def new_shared(size: int, spill_to: str | None = None) -> Mapping:
     """A new segment for a shared array, owned by this process and listed as shared."""
     mapping = _create(size, spill_to)
     logger.debug("created shared segment %s (%d bytes)", mapping.name, size)
-    return _register(mapping)
+    return _registry.add(mapping)
 
 
 def new_private(size: int, spill_to: str | None = None) -> Mapping:
@@ -282,8 +340,7 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
 
     With ``adopt``, the sender handed its ownership over and this process frees it.
     """
-    with _lock:
-        mapping = _by_name.get(name)
+    mapping = _registry.named(name)
     if mapping is not None:
         if adopt and mapping.owner is None:
             _own(mapping)  # the sweeper moved it to the root already (H)
@@ -291,25 +348,22 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
         mapping = _segments.attach(name, size, private=False)
         if adopt:
             _own(mapping)
-        mapping = _register(mapping)
-    seen = getattr(_attaching, "shared", None)
+        mapping = _registry.add(mapping)
+    seen = getattr(_registry.attaching, "shared", None)
     if seen is not None:
         seen.append(mapping)
     return mapping
-
-
-_attaching = threading.local()  # .shared: see attached_shared
 
 
 @contextlib.contextmanager
 def attached_shared() -> Iterator[list[Mapping]]:
     """The shared segments this thread maps (or finds mapped) within the block."""
     seen: list[Mapping] = []
-    _attaching.shared = seen
+    _registry.attaching.shared = seen
     try:
         yield seen
     finally:
-        _attaching.shared = None
+        _registry.attaching.shared = None
 
 
 def attach_private(name: str, size: int) -> Mapping:
@@ -328,7 +382,7 @@ def attach_lent(name: str, size: int) -> Mapping:
 def forget(name: str) -> None:
     """Unlink a segment handed to this process that it will never map (a failed result)."""
     _segments.unlink(name)
-    _tell("U", name)
+    _tell(UNREGISTER, name)
 
 
 def adopt(name: str, size: int) -> Mapping:
@@ -344,102 +398,148 @@ def adopt_private(name: str, size: int) -> Mapping:
     """
     mapping = _segments.attach(name, size, private=False)
     _segments.unlink(name)
-    _tell("U", name)
+    _tell(UNREGISTER, name)
     logger.debug("adopted and unlinked segment %s", name)
     return mapping
 
 
 # ---------------------------------------------------------------------------------------
-# The sweeper: frees what a dead process owned
+# Telling the sweeper: so that what a dead process owned is freed
 # ---------------------------------------------------------------------------------------
 #
 # The first process of a session to create a segment (the *root*, usually the program
-# running the executor) starts the sweeper, which outlives it. Every process tells it,
-# one line per event, what it creates ("R name"), frees ("U name") or hands to the root
-# ("H name"): the root through the sweeper's stdin, workers through a Unix socket whose
-# address they receive with their tasks. When a worker's connection closes (it exited or
-# died), the sweeper unlinks what that worker still owned; when the root's pipe closes,
-# it unlinks everything the root owned, waits for the workers to go (they watch the root:
-# watch_parent), unlinks what is left and exits.
+# running the executor) starts the sweeper (sharexec._sweeper, which describes the
+# protocol), and tells it through a pipe; every other process tells it through a Unix
+# socket whose address it receives with its tasks (join_sweeper).
 
-# This process's line to the sweeper, e.g. a socket; None until the first segment.
-_channel: socket.socket | int | None = None
-_channel_pid = 0  # the process that opened _channel (a forked child opens its own)
-# The sweeper's socket address (Linux abstract namespace), e.g. b"\0sharexec-Zm9vYmFy".
-_address: bytes | None = None
-_channel_lock = threading.RLock()
-_outbox: list[bytes] = []  # lines not sent yet, e.g. [b"R sharexec-41-Zm9v\n"]
-_sending = False  # a _tell is sending (in the thread holding _channel_lock)
-_sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
-_WAIT_FOR_MEMBERS = 10.0  # seconds the sweeper waits for workers after the root died
+
+class _Channel:
+    """This process's line to the sweeper, and the lines waiting to go through it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entrant: a finalizer may tell while it is held
+        # The sweeper's socket address (Linux abstract namespace), e.g.
+        # b"\0sharexec-sweeper-9f86d081884c7d659a2feaa0"; None until this process starts
+        # a sweeper (the root) or joins one (the others).
+        self.address: bytes | None = None
+        # The line: in the root, the write end of the sweeper's stdin, e.g. 7; in the
+        # others, a connected socket; None until the first event, and while the sweeper
+        # cannot be reached (a failed connection is not kept: tried again at each event).
+        self.line: socket.socket | int | None = None
+        self.outbox: list[bytes] = []  # lines not sent yet, e.g. [b"R sharexec-41-Zm9v\n"]
+        self.sending = False  # the thread holding the lock is opening the line or sending
+        self.sweeper_pid = 0  # in the root, the sweeper's pid, e.g. 4242
+
+    def tell(self, op: str, name: str) -> None:
+        """Tell the sweeper about a segment, starting or joining one first if needed.
+
+        Re-entrant: the garbage collector may run a segment's finalizer (which tells the
+        sweeper) in the middle of this very method; that line is queued and sent by the
+        outer call, never waited for (a plain lock would deadlock the thread).
+
+        A sweeper that is gone hears nothing, and nothing is raised: what is lost is the
+        sweep after a crash, never a task.
+        """
+        with self.lock:
+            self.outbox.append(_sweeper.encode(op, name))
+            self._flush()
+
+    def reach(self) -> bytes:
+        """The sweeper's address, after starting it if this process is the root."""
+        with self.lock:
+            self._flush()
+            assert self.address is not None
+            return self.address
+
+    def _flush(self) -> None:
+        """Open the line if need be and send what is queued (holding the lock)."""
+        if self.sending:
+            return  # a finalizer ran inside this thread's own call, which sends its line
+        self.sending = True
+        try:
+            line = self._open()
+            while self.outbox:
+                data = b"".join(self.outbox)
+                self.outbox.clear()
+                if line is None:
+                    continue  # out of reach: dropped, as lines sent to a dead sweeper are
+                with contextlib.suppress(OSError):  # the sweeper is gone: nothing to tell
+                    if isinstance(line, socket.socket):
+                        line.sendall(data)
+                    else:
+                        os.write(line, data)
+        finally:
+            self.sending = False
+
+    def _open(self) -> socket.socket | int | None:
+        """The line, opened first if need be: in the root by starting the sweeper, in the
+        others by connecting to it (None if that fails)."""
+        if self.line is None:
+            if self.address is None:  # the root
+                self.address, self.sweeper_pid, self.line = _start_sweeper()
+            else:  # a worker, or a forked child
+                self.line = _connect(self.address)
+        return self.line
+
+    def after_fork_in_child(self) -> None:
+        """A forked child tells the same sweeper on a line of its own, opened when needed.
+
+        It closes its copy of its parent's line at once: a child holding the root's pipe
+        open would hide the root's death from the sweeper, and one holding a worker's
+        connection, that worker's. The parent's queued lines are the parent's to send.
+        """
+        if isinstance(self.line, socket.socket):
+            self.line.close()  # this process's descriptor only: the parent's stays open
+        elif self.line is not None:
+            os.close(self.line)
+        self.line = None
+        self.lock = threading.RLock()
+        self.outbox = []
+        self.sending = False
+        self.sweeper_pid = 0  # the sweeper is the root's child, not this one's
+
+
+_channel = _Channel()
+os.register_at_fork(after_in_child=_channel.after_fork_in_child)
 
 
 def _tell(op: str, name: str) -> None:
-    """Tell the sweeper about a segment, starting or joining one first if needed.
-
-    Re-entrant: the garbage collector may run a segment's finalizer (which tells the
-    sweeper) in the middle of this very function; that message is queued and sent by
-    the outer call, never waited for (a plain lock would deadlock the thread).
-    """
-    global _sending
-    with _channel_lock:
-        _outbox.append(f"{op} {name}\n".encode())
-        if _sending:
-            return
-        _sending = True
-        try:
-            while _outbox:
-                channel = _open_channel()
-                data = b"".join(_outbox)
-                _outbox.clear()
-                with contextlib.suppress(OSError):  # the sweeper is gone: nothing to tell
-                    if isinstance(channel, socket.socket):
-                        channel.sendall(data)
-                    else:
-                        os.write(channel, data)
-        finally:
-            _sending = False
-
-
-def _open_channel() -> socket.socket | int:
-    global _channel, _channel_pid
-    if _channel is not None and _channel_pid == os.getpid():
-        return _channel
-    if _address is not None:  # a worker, or a forked child of the root
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(_address)
-        _channel = conn
-    else:
-        _channel = _start_sweeper()
-    _channel_pid = os.getpid()
-    return _channel
+    _channel.tell(op, name)
 
 
 def sweeper_address() -> bytes:
     """The address workers use to reach this session's sweeper (started if needed)."""
-    with _channel_lock:
-        _open_channel()
-    assert _address is not None
-    return _address
+    return _channel.reach()
 
 
 def join_sweeper(address: bytes) -> None:
     """In a worker: report to the root's sweeper rather than start one of its own."""
-    global _address
-    if _address is None:
-        _address = address
+    if _channel.address is None:
+        _channel.address = address
 
 
-def _start_sweeper() -> int:
-    global _address
-    _address = b"\0sharexec-sweeper-" + os.urandom(12).hex().encode()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(_address)
-    listener.listen(64)
-    read_end, write_end = os.pipe()
+def _connect(address: bytes) -> socket.socket | None:
+    """A connection to the sweeper listening at ``address``; None if there is none."""
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(address)
+        except BaseException:
+            conn.close()
+            raise
+    except OSError as exc:  # refused: the sweeper is gone (or no descriptor is left)
+        logger.debug("cannot reach the sweeper: %s", exc)
+        return None
+    return conn
+
+
+def _start_sweeper() -> tuple[bytes, int, int]:
+    """Start this session's sweeper: its address, its pid, and the write end of its stdin."""
+    address = b"\0sharexec-sweeper-" + os.urandom(12).hex().encode()
     # The sweeper imports this package from where it lies, and nothing from site-packages
     # (-S: no site processing, a few ms less of a start that competes with the first
-    # workers'; most of the rest, ~35 ms, is importing _tracking and _segments).
+    # workers'; most of the rest is importing _segments, whose errors module loads
+    # concurrent.futures.process).
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
@@ -447,111 +547,30 @@ def _start_sweeper() -> int:
     # socket.py there would stand in for the standard library's.
     code = (
         "import sys; sys.path[:] = [p for p in sys.path if p]; "
-        "from sharexec._tracking import sweeper_main; sweeper_main()"
+        "from sharexec._sweeper import sweeper_main; sweeper_main()"
     )
-    global _sweeper_pid
-    _sweeper_pid = os.posix_spawn(
-        sys.executable,
-        [sys.executable, "-S", "-c", code],
-        env,
-        file_actions=[
-            (os.POSIX_SPAWN_DUP2, read_end, 0),
-            (os.POSIX_SPAWN_DUP2, listener.fileno(), 3),
-        ],
-        setsid=True,  # out of the terminal's process group: Ctrl-C is for the root
-    )
-    os.close(read_end)
-    listener.close()
-    os.register_at_fork(after_in_child=_forget_root_channel)
-    logger.debug("started the sweeper")
-    return write_end
-
-
-def _forget_root_channel() -> None:
-    # A forked child must not hold the root's pipe open (the sweeper would never see
-    # the root die): it closes its copy and will connect to the socket instead.
-    global _channel
-    if isinstance(_channel, int):
-        os.close(_channel)
-    _channel = None
-
-
-def sweeper_main() -> None:
-    """The sweeper process: stdin is the root's pipe, fd 3 the workers' listening socket."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    listener = socket.socket(fileno=3)
-    events = selectors.DefaultSelector()
-    events.register(0, selectors.EVENT_READ, "root")
-    events.register(listener, selectors.EVENT_READ, "listen")
-    # What each live process owns, e.g. {"root": {"sharexec-41-Zm9v"}, <socket>: set()}.
-    owned: dict[object, set[str]] = {"root": set()}
-    pending: dict[object, bytes] = {}
-    deadline = None  # set when the root is gone
-    while owned:
-        ready = events.select(timeout=1.0 if deadline else None)
-        if deadline and time.monotonic() > deadline:
-            break
-        for key, _ in ready:
-            if key.data == "listen":
-                conn, _ = listener.accept()
-                if _peer_uid(conn) != os.getuid():  # anyone may connect; only we are heard
-                    conn.close()
-                    continue
-                events.register(conn, selectors.EVENT_READ, conn)
-                owned[conn] = set()
-                continue
-            source = key.data
-            data = os.read(0, 65536) if source == "root" else source.recv(65536)
-            if not data:  # that process exited or died: free what it still owned
-                events.unregister(key.fileobj)
-                for name in _sweep(owned.pop(source)):
-                    if "root" in owned:  # a folder still holding the root's files
-                        owned["root"].add(name)
-                if source == "root":
-                    deadline = time.monotonic() + _WAIT_FOR_MEMBERS
-                else:
-                    source.close()
-                continue
-            lines = (pending.pop(source, b"") + data).split(b"\n")
-            pending[source] = lines.pop()
-            for line in lines:
-                op, _, name = line.decode().partition(" ")
-                if op == "R":
-                    owned[source].add(name)
-                elif op == "U":
-                    for names in owned.values():
-                        names.discard(name)
-                elif op == "H":
-                    owned[source].discard(name)
-                    if "root" in owned:
-                        owned["root"].add(name)
-                    else:
-                        _sweep({name})
-        if deadline and len(owned) == 0:
-            break
-    _sweep(set().union(*owned.values()))
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    """The user id of the process at the other end of a Unix socket (-1 if unknown)."""
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return -1
-    return int(struct.unpack("3i", creds)[1])
-
-
-def _sweep(names: set[str]) -> list[str]:
-    """Unlink these segments (files before their folders); return what could not go."""
-    left = []
-    for name in sorted(names, key=len, reverse=True):
-        if not os.path.basename(name).startswith(_segments.PREFIX):
-            continue  # never anything but sharexec's own
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:  # the sweeper's fd 3
+        listener.bind(address)
+        listener.listen(64)
+        read_end, write_end = os.pipe()
         try:
-            _segments.unlink(name)
-        except OSError:
-            left.append(name)
-    return left
+            pid = os.posix_spawn(
+                sys.executable,
+                [sys.executable, "-S", "-c", code],
+                env,
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, read_end, 0),
+                    (os.POSIX_SPAWN_DUP2, listener.fileno(), _sweeper.LISTENER_FD),
+                ],
+                setsid=True,  # out of the terminal's process group: Ctrl-C is for the root
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+    logger.debug("started the sweeper")
+    return address, pid, write_end
 
 
 # ---------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def started():
         f.read()
 
 def announce_sweeper():
-    print("sweeper", _tracking._sweeper_pid, flush=True)
+    print("sweeper", _tracking._channel.sweeper_pid, flush=True)
 """
 
 
@@ -66,6 +66,18 @@ def wait_exit(pids: list[int], timeout: float) -> list[int]:
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def alive(pid: int) -> bool:
+    """Whether the process ``pid`` has not exited (a zombie has)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        return not select.select([fd], [], [], 0)[0]
+    finally:
+        os.close(fd)
 
 
 def left_by(proc: subprocess.Popen) -> set[str]:
@@ -196,7 +208,8 @@ def test_ctrl_c_in_map(start_method, tmp_path):
             announce_sweeper_later = True
             with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
                 try:
-                    print("sweeper", _tracking.sweeper_address() and _tracking._sweeper_pid,
+                    print("sweeper",
+                          _tracking.sweeper_address() and _tracking._channel.sweeper_pid,
                           flush=True)
                     list(ex.map(f, [np.ones(500_000)] * 6))
                 except KeyboardInterrupt:
@@ -326,6 +339,107 @@ def test_max_tasks_per_child_recycling_under_load(start_method, tmp_path):
     out = finish(proc)
     assert "exact True" in out
     assert_none_left(left_by(proc))
+
+
+# ---------------------------------------------------------------------------------------
+# The sweeper itself: out of reach, it costs crash protection, never a task
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_dead_sweeper_fails_nothing(start_method, tmp_path):
+    """With the sweeper killed, segments are still created: by workers, which cannot
+    connect to it, and by the root, whose pipe to it is broken."""
+    proc = run_scenario(
+        tmp_path,
+        """
+        def f(a):
+            mine = sharexec.full(300_000, 2.0)  # this worker's first segment
+            return float((mine * a).sum()), a * 3  # and a large result
+
+        if __name__ == "__main__":
+            keep = sharexec.zeros(300_000)  # the sweeper starts
+            sweeper = _tracking._channel.sweeper_pid
+            os.kill(sweeper, signal.SIGKILL)
+            os.waitpid(sweeper, 0)
+            more = sharexec.ones(300_000)
+            with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+                results = [ex.submit(f, np.ones(300_000)).result() for _ in range(3)]
+            print("exact", more.sum() == 300_000 and all(
+                total == 600_000 and tripled.sum() == 900_000 for total, tripled in results
+            ))
+        """,
+        start_method,
+    )
+    out = finish(proc)
+    assert "exact True" in out
+    assert_none_left(left_by(proc))
+
+
+def test_a_sweeper_out_of_reach_is_tried_again(no_leaks):
+    """A process that cannot connect to the sweeper tells it nothing and raises nothing,
+    and tries again at its next segment: a failed connection is not kept."""
+    code = textwrap.dedent(
+        """
+        import os, socket
+        from sharexec import _tracking
+
+        address = b"\\0sharexec-test-" + os.urandom(12).hex().encode()
+        _tracking.join_sweeper(address)  # as a worker does; nobody listens there yet
+        first = _tracking.new_private(4096)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(1)
+        second = _tracking.new_private(4096)
+        conn, _ = listener.accept()
+        heard = b""
+        while not heard.endswith(b"\\n"):
+            heard += conn.recv(4096)
+        print(repr(heard.decode()))
+        print(repr(f"R {second.name}\\n"))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    heard, expected = (ast.literal_eval(line) for line in done.stdout.splitlines())
+    assert heard == expected  # the second segment, told on a new connection; not the first
+
+
+def test_a_forked_child_does_not_keep_the_sweeper_waiting(tmp_path):
+    """A forked child closes its copy of the root's pipe to the sweeper at once: when the
+    root dies, what it owned is swept while the child lives on."""
+    proc = run_scenario(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            keep = sharexec.zeros(300_000)  # the sweeper starts
+            child = os.fork()
+            if child == 0:
+                os.read(0, 1)  # lives until the test closes its stdin
+                os._exit(0)
+            print("child", child, flush=True)
+            announce_sweeper()
+            os.kill(os.getpid(), signal.SIGKILL)
+        """,
+        "fork",
+        stdin=subprocess.PIPE,
+    )
+    child = int(proc.stdout.readline().split()[1])
+    sweeper = int(proc.stdout.readline().split()[1])
+    try:
+        proc.wait(60)
+        exited(proc.returncode, -signal.SIGKILL)
+        assert proc.returncode == -signal.SIGKILL
+        outlived = wait_exit([sweeper], 15)
+        assert alive(child), "the forked child should still be alive"
+        if outlived:
+            faults_plugin.crashed("the sweeper waited for a forked child")
+        assert not outlived, "the sweeper waited for the root's forked child"
+        assert_none_left(left_by(proc))
+    finally:
+        proc.stdin.close()  # the child goes
+        wait_exit([child], 15)
+        proc.stdout.close()
+        proc.stderr.close()
 
 
 # ---------------------------------------------------------------------------------------

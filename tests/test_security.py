@@ -261,7 +261,7 @@ def test_sweeper_socket_is_abstract(no_leaks):
     address = _tracking.sweeper_address()  # this process's sweeper, started if need be
     assert address.startswith(b"\0"), address  # the abstract namespace: no file
     assert re.fullmatch(rb"\0sharexec-sweeper-[0-9a-f]{24}", address), address  # 96 bits
-    sweeper = _tracking._sweeper_pid
+    sweeper = _tracking._channel.sweeper_pid
     link = os.readlink(f"/proc/{sweeper}/fd/3")  # its listening socket
     inode = int(re.fullmatch(r"socket:\[(\d+)\]", link).group(1))
     assert unix_sockets()[inode] == "@" + address[1:].decode()
@@ -316,7 +316,7 @@ def test_the_sweeper_imports_nothing_from_the_working_directory(tmp_path):
         "import sharexec\n"
         "from sharexec import _tracking\n"
         "a = sharexec.zeros(10)  # the sweeper starts, to hear of the segment\n"
-        "assert _tracking._sweeper_pid\n"
+        "assert _tracking._channel.sweeper_pid\n"
     )
     # The sweeper inherits stderr: run() returns once it has exited too (the parent gone).
     done = subprocess.run(

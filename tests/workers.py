@@ -195,4 +195,4 @@ def shared_mapped() -> list[str]:
     """Names of the shared segments this process maps."""
     from sharexec import _tracking
 
-    return sorted(_tracking._by_name)
+    return sorted(_tracking._registry.by_name)
