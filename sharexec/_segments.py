@@ -4,8 +4,9 @@ This module owns every system call sharexec makes about shared memory: naming a 
 creating it with its space reserved, mapping it (shared, or private copy-on-write),
 telling whether this process wrote into a private mapping (:func:`written`) or whether a
 segment still exists (:func:`existing`), and unlinking it. It decides nothing about
-lifetimes: :mod:`sharexec._tracking` says when to create, attach and unlink, and is the
-only caller of :func:`unlink`.
+lifetimes: :mod:`sharexec._tracking` says when to create, attach and unlink; besides it,
+only the sweeper process (:mod:`sharexec._sweeper`, freeing what dead processes left)
+and ``doctor --clean`` (stale segments of dead processes) call :func:`unlink`.
 
 Platform: POSIX shared memory (``shm_open``), that is ``/dev/shm`` on Linux. Names are
 ``sharexec-<pid>-<random>``: a fixed prefix so stale segments can be found, the creating
