@@ -1,7 +1,8 @@
 """SharedProcessPoolExecutor: loky's process pool with a shared-memory transport.
 
 Data flow, in the order a submitted call travels (the queues and threads are loky's,
-themselves those of CPython's ``concurrent.futures.process``)::
+themselves those of CPython's ``concurrent.futures.process``; what sharexec changes of
+them, and every use of loky's internals, is in :mod:`sharexec._loky`)::
 
   submit(fn, *args, **kwargs)                                   user thread
     │  wraps the call in a _reduction.Task; nothing is copied yet
@@ -42,34 +43,26 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
-from loky import ProcessPoolExecutor as _LokyExecutor
-from loky import cpu_count
-from loky import process_executor as _loky_executor
-from loky._base import Future as _LokyFuture
-from loky.backend.context import get_context as _loky_context
-from loky.process_executor import _WorkItem
-
 from . import _tracking
 from ._config import Options
-from ._queues import CallQueue, ResultQueue
+from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
 from ._reduction import Task, Transport
 from ._worker import Delivered, RebuildFailure, run, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
 T = TypeVar("T")
-_NO_KEYWORDS: dict[str, Any] = {}  # loky's keywords for run(task): never changed
 
 
 def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
     if mp_context is None:
-        context: BaseContext = _loky_context()  # loky's own start method
+        context: BaseContext = get_context()  # loky's own start method
         return context
     if isinstance(mp_context, str):
         if mp_context == "fork":
             # loky's get_context warns on "fork"; the stdlib's does not, nor do we.
             return multiprocessing.get_context("fork")
-        context = _loky_context(mp_context)
+        context = get_context(mp_context)
         return context
     if not hasattr(mp_context, "Process") or not hasattr(mp_context, "get_start_method"):
         raise TypeError(
@@ -112,7 +105,7 @@ class Statistics:
     tasks_done: int
 
 
-class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
+class SharedProcessPoolExecutor(LokyExecutor):
     """A :class:`concurrent.futures.ProcessPoolExecutor` that shares large arrays.
 
     Same constructor, methods and exceptions as the standard library's executor. Large
@@ -172,7 +165,6 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
                 "max_tasks_per_child is incompatible with the 'fork' multiprocessing "
                 "start method; supply a different mp_context."
             )
-        self._max_tasks_per_child = max_tasks_per_child
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self._transport = Transport(self._options)
@@ -189,25 +181,8 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             initializer=initializer,
             initargs=initargs,
             env=self._worker_env,
+            max_tasks_per_child=max_tasks_per_child,
         )
-
-    def _setup_queues(
-        self, job_reducers: Any, result_reducers: Any, queue_size: int | None = None
-    ) -> None:
-        super()._setup_queues(job_reducers, result_reducers, queue_size)
-        # Same queues, with a cheaper envelope and worker recycling (see _queues). Set
-        # before anything is put on them: the call queue's feeder starts at the first put.
-        self._call_queue.__class__ = CallQueue
-        self._call_queue.max_tasks = self._max_tasks_per_child
-        self._result_queue.__class__ = ResultQueue
-
-    def _start_executor_manager_thread(self) -> None:
-        super()._start_executor_manager_thread()
-        if self._max_tasks_per_child is not None:
-            # Recycling is asked for: loky's warning about a recycled worker (meant for
-            # its memory-leak recycling) would be noise. Set before any worker can have
-            # finished its tasks, hence before the manager thread can read it.
-            self._executor_manager_thread.recycling_warned = True
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Schedule ``fn(*args, **kwargs)`` in a worker; return its future.
@@ -215,25 +190,12 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         Large array arguments are moved into shared memory when the call is sent to a
         worker, and large array results come back the same way.
         """
-        # loky's submit, except that the future is ours from the start: the task is
-        # complete before the feeder thread can pickle it, and no more objects than
-        # loky's own are left for the garbage collector per pending call.
+        # The future is ours from the start (not loky's, as its submit would make): the
+        # task is complete before the feeder thread can pickle it, and no more objects
+        # than loky's own are left for the garbage collector per pending call.
         task = Task(fn, args, kwargs, self._transport)
         future: _Future = _Future(task)
-        flags = self._flags
-        with flags.shutdown_lock:
-            if flags.broken is not None:
-                raise flags.broken
-            if flags.shutdown:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            if _loky_executor._global_shutdown:
-                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
-            work_id: int = self._queue_count  # type: ignore[has-type]
-            self._pending_work_items[work_id] = _WorkItem(future, run, (task,), _NO_KEYWORDS)
-            self._work_ids.put(work_id)
-            self._queue_count = work_id + 1
-            self._executor_manager_thread_wakeup.wakeup()  # it queues the call for a worker
-            self._ensure_executor_running()
+        self._enqueue(future, run, (task,))
         self._transport.counts["tasks_submitted"] += 1
         return future
 
@@ -286,15 +248,15 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         calls not yet started are cancelled.
         """
         if cancel_futures:
-            for work_item in list(self._pending_work_items.values()):
-                work_item.future.cancel()
+            for future in self._pending_futures():
+                future.cancel()
         super().shutdown(wait=wait)
         self._transport.close()
         if wait and self._init_task is not None:
             self._init_task.release()
 
 
-class _Future(_LokyFuture):  # type: ignore[misc]
+class _Future(LokyFuture):
     """loky's future, which releases its task's segments as soon as it is done, and raises
     a result that failed to rebuild instead of returning it.
 
@@ -328,7 +290,7 @@ class _Future(_LokyFuture):  # type: ignore[misc]
 
     def _release(self, delivered: Delivered | None) -> None:
         """Release the task's segments, once, before the future is seen done."""
-        with self._condition:
+        with self._state_lock:
             task, self.task = self.task, None
         if task is not None:
             task.release(delivered)
@@ -397,12 +359,12 @@ def get_executor(max_workers: int | None = None, **options: Any) -> SharedProces
     with _process_wide_lock:
         current = _process_wide
         if max_workers is None:
-            max_workers = current._max_workers if current is not None else cpu_count()
+            max_workers = current._pool_max_workers if current is not None else cpu_count()
         usable = (
             current is not None
-            and current._flags.broken is None
-            and not current._flags.shutdown
-            and current._max_workers == max_workers
+            and current._pool_broken is None
+            and not current._pool_shut_down
+            and current._pool_max_workers == max_workers
             and current._options == settings
         )
         if not usable:

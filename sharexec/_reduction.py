@@ -57,11 +57,11 @@ from typing import Any, ClassVar
 
 import cloudpickle
 import numpy as np
-from loky.backend import reduction as loky_reduction
 
 from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
+from ._loky import DISPATCH_TABLE
 from ._segments import Mapping
 from ._worker import BufferRef, Delivered, attach_lent, is_plain, load_call, load_function
 from .errors import SegmentError
@@ -400,7 +400,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     # process being spawned, partials; then cloudpickle's and copyreg's): an object
     # pickles inside our payload exactly as it would have in loky's.
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        loky_reduction._dispatch_table, cloudpickle.Pickler.dispatch_table
+        DISPATCH_TABLE, cloudpickle.Pickler.dispatch_table
     )
 
     def __init__(self, file: io.BytesIO, state: Pass) -> None:
