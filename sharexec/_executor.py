@@ -21,15 +21,16 @@ them, and every use of loky's internals, is in :mod:`sharexec._loky`)::
            load_call: copies mapped copy-on-write, shared segments mapped shared
            run: result = fn(*args, **kwargs)
                 Reply: a plain result goes back as it is; any other takes the backward
-                pass (_reduction): large results copied into fresh segments whose
+                pass (_reduction): large results copied into the segments the parent
+                lent the task (warm, from its pool) or into fresh ones whose
                 ownership passes to the parent
     │
     ▼
   result queue ──▶ executor manager thread (unpickles) ──▶ future.set_result
-                    └▶ load_result: maps each result segment, unlinks it at once,
-                       rebuilds the arrays zero-copy
+                    └▶ load_result: rebuilds the arrays zero-copy over the result's
+                       segments, now the parent's (pooled once the result is collected)
   future done ──▶ Task.release(): the call's segments are dropped, and a segment whose
-                   last user is gone is unlinked (_tracking.Segment)
+                   last user is gone is pooled or unlinked (_tracking.Segment)
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class Statistics:
     Attributes
     ----------
     segments_live : int
-        Shared-memory segments this process holds now (shared arrays, copies of
-        arguments in flight, results it adopted are not counted: they are unlinked).
+        Shared-memory segments this process holds now: shared arrays, copies of
+        arguments in flight, results not yet collected, warm segments pooled for reuse.
     bytes_in_shared_memory : int
         Their total size.
     bytes_copied : int
