@@ -1,6 +1,6 @@
 """The one door to loky's internals (and to multiprocessing's and concurrent.futures').
 
-sharexec runs on loky's process pool, and reaches below loky's public surface in four
+sharexec runs on loky's process pool, and reaches below loky's public surface in five
 places. Every such access is made here and nowhere else in sharexec; the rest of the
 package sees the small surface below, with plain names:
 
@@ -20,8 +20,8 @@ package sees the small surface below, with plain names:
   queue's private parts) and the result queue's ``put`` pickle those envelopes with the
   standard pickler, and anything else (a task's exception, loky's messages) as loky
   does. They also carry worker recycling (``max_tasks_per_child``) on loky's own
-  clean-exit protocol, quietly: the manager thread is told the warning about a recycled
-  worker was given.
+  clean-exit protocol, quietly: loky's warning about a recycled worker (meant for its
+  leak check) is marked as given already.
 * :data:`DISPATCH_TABLE`: loky's reducers, for sharexec's picklers.
 * :func:`count_private_memory_only`: in sharexec's workers only (never in the parent, nor
   in a worker of another pool), loky's leak check measures private memory, not the
@@ -44,10 +44,11 @@ supported ones, so that a newer loky fails at once and clearly, not with an
   (along its MRO) assigns as attributes (its ``STORE_ATTR`` instructions), so no
   instance has to be made;
 * the positional parameters of what is called or replaced here;
-* that the methods overridden here are still called where loky calls them
+* that what is overridden or replaced here is still used where loky uses it
   (``_setup_queues`` by the constructor, ``_start_executor_manager_thread`` by
-  ``_ensure_executor_running``, ``_start_thread`` by ``Queue.put``): the names their
-  callers' code refers to.
+  ``_ensure_executor_running``, ``_start_thread`` by ``Queue.put``, the recycled worker's
+  mark by the manager thread, ``_get_memory_usage`` by the worker's loop): the names
+  that the code of those users refers to.
 
 This module imports no NumPy: every worker imports it at start-up (it unpickles the
 queues).
@@ -136,8 +137,8 @@ def _problems() -> list[str]:
             "result_reducers",
             "queue_size",
         ),
-        *_calls(pe, "ProcessPoolExecutor.__init__", "_setup_queues"),
-        *_calls(
+        *_uses(pe, "ProcessPoolExecutor.__init__", "_setup_queues"),
+        *_uses(
             pe, "ProcessPoolExecutor._ensure_executor_running", "_start_executor_manager_thread"
         ),
         # The queues: loky's, multiprocessing's feeder rebuilt, recycling.
@@ -163,11 +164,13 @@ def _problems() -> list[str]:
         *_assigns(loky_queues, "SimpleQueue", "_wlock", "_writer"),
         *_takes(pe, "_SafeQueue._on_queue_feeder_error", "self", "e", "obj"),
         *_takes(mp_queues, "Queue._finalize_close", "buffer", "notempty"),
-        *_calls(mp_queues, "Queue.put", "_start_thread"),
+        *_uses(mp_queues, "Queue.put", "_start_thread"),
+        *_uses(pe, "_ExecutorManagerThread.process_result_item", "_RecycledWorkerPid"),
         # Pickling.
         *_has(loky_reduction, "_dispatch_table"),
         # The worker's leak check (its measure exists only where psutil does).
         *_has(pe, "_USE_PSUTIL"),
+        *_uses(pe, "_process_worker", "_get_memory_usage"),  # looked up at each call
         *(
             _takes(pe, "_get_memory_usage", "pid", "force_gc")
             if getattr(pe, "_USE_PSUTIL", False)
@@ -264,14 +267,15 @@ def _takes(module: types.ModuleType, path: str, *parameters: str) -> list[str]:
     return [f"{module.__name__}.{path} takes ({', '.join(found)}), not ({', '.join(parameters)})"]
 
 
-def _calls(module: types.ModuleType, path: str, name: str) -> list[str]:
-    """Whether the code of the function at ``path`` still refers to ``name``."""
+def _uses(module: types.ModuleType, path: str, name: str) -> list[str]:
+    """Whether the code of the function at ``path`` still refers to ``name`` (calls a
+    method of that name, reads a global of that name...)."""
     code = getattr(_lookup(module, path), "__code__", None)
     if not isinstance(code, types.CodeType):
         return [f"{module.__name__}.{path} is missing or not a function"]
     if any(name in nested.co_names for nested in _nested(code)):
         return []
-    return [f"{module.__name__}.{path} no longer calls {name}"]
+    return [f"{module.__name__}.{path} no longer uses {name}"]
 
 
 def _check() -> None:

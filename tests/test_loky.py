@@ -61,7 +61,7 @@ LOKY_CHANGES = {
             _ensure_executor_running
         )
         """,
-        "_ensure_executor_running no longer calls _start_executor_manager_thread",
+        "_ensure_executor_running no longer uses _start_executor_manager_thread",
     ),
 }
 
