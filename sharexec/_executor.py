@@ -1,34 +1,42 @@
 """SharedProcessPoolExecutor: loky's process pool with a shared-memory transport.
 
 Data flow, in the order a submitted call travels (the queues and threads are loky's,
-themselves those of CPython's ``concurrent.futures.process``)::
+themselves those of CPython's ``concurrent.futures.process``; what sharexec changes of
+them, and every use of loky's internals, is in :mod:`sharexec._loky`)::
 
   submit(fn, *args, **kwargs)                                   user thread
-    │  wraps the call in a _reduction.Task; nothing is copied yet
+    │  wraps the call in a _transport.Task; nothing is copied yet
     ▼
   pending work items ──▶ call queue ──(feeder thread pickles)──▶ pipe ──▶ worker
                           │
-                          └▶ Task.__reduce__: one cloudpickle pass (_reduction)
+                          └▶ Task.__reduce__: plain arguments ─▶ the standard pickler;
+                             else one cloudpickle pass (_reduction, a ForwardSink)
                                shared array view  ─▶ by reference: (name, geometry)
-                               large private buffer ─▶ copied once into a segment
+                               large private buffer ─▶ a live copy of the same bytes, or
+                                                       copied once into a warm segment of
+                                                       the pool or a new one
                                                        (_tracking.new_private,
                                                         _segments.create + fallocate)
                                anything else      ─▶ pickled, in the payload
                              the Task keeps its segments alive until its future is done
 
   worker (_worker: no NumPy imported until a call or a result holds an array):
-           load_call: copies mapped copy-on-write, shared segments mapped shared
+           load_call: copies mapped copy-on-write, shared segments mapped shared, both
+                      through the worker's kept mappings
            run: result = fn(*args, **kwargs)
-                Reply: a plain result goes back as it is; any other takes the backward
-                pass (_reduction): large results copied into fresh segments whose
-                ownership passes to the parent
+                a plain result goes back as it is; any other in a _wire.Reply, through
+                the backward pass (_reduction, a BackwardSink) if it may hold an array:
+                large results copied into the segments the parent lent the task (warm,
+                from its pool) or into fresh ones whose ownership passes to the parent
     │
     ▼
   result queue ──▶ executor manager thread (unpickles) ──▶ future.set_result
-                    └▶ load_result: maps each result segment, unlinks it at once,
-                       rebuilds the arrays zero-copy
-  future done ──▶ Task.release(): the call's segments are dropped, and a segment whose
-                   last user is gone is unlinked (_tracking.Segment)
+                    └▶ _wire.load_result: rebuilds the arrays zero-copy over the result's
+                       segments, handed to the executor's ResultLoans (now the parent's;
+                       pooled once the result is collected)
+  future done ──▶ Task.release(): the call's copies are let go of: pooled if no task
+                   holds them and every worker released them, else dropped and unlinked
+                   (_tracking.Segment)
 """
 
 from __future__ import annotations
@@ -42,16 +50,9 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
-from loky import ProcessPoolExecutor as _LokyExecutor
-from loky import cpu_count
-from loky import process_executor as _loky_executor
-from loky._base import Future as _LokyFuture
-from loky.backend.context import get_context as _loky_context
-from loky.process_executor import _WorkItem
-
 from . import _tracking
 from ._config import Options
-from ._queues import CallQueue, ResultQueue
+from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
 from ._transport import Task, Transport
 from ._wire import Delivered, RebuildFailure
 from ._worker import run, run_initializer
@@ -59,18 +60,17 @@ from ._worker import run, run_initializer
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
 T = TypeVar("T")
-_NO_KEYWORDS: dict[str, Any] = {}  # loky's keywords for run(task): never changed
 
 
 def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
     if mp_context is None:
-        context: BaseContext = _loky_context()  # loky's own start method
+        context: BaseContext = get_context()  # loky's own start method
         return context
     if isinstance(mp_context, str):
         if mp_context == "fork":
             # loky's get_context warns on "fork"; the stdlib's does not, nor do we.
             return multiprocessing.get_context("fork")
-        context = _loky_context(mp_context)
+        context = get_context(mp_context)
         return context
     if not hasattr(mp_context, "Process") or not hasattr(mp_context, "get_start_method"):
         raise TypeError(
@@ -87,8 +87,8 @@ class Statistics:
     Attributes
     ----------
     segments_live : int
-        Shared-memory segments this process holds now (shared arrays, copies of
-        arguments in flight, results it adopted are not counted: they are unlinked).
+        Shared-memory segments this process holds now: shared arrays, copies of
+        arguments in flight, results not yet collected, warm segments pooled for reuse.
     bytes_in_shared_memory : int
         Their total size.
     bytes_copied : int
@@ -113,7 +113,7 @@ class Statistics:
     tasks_done: int
 
 
-class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
+class SharedProcessPoolExecutor(LokyExecutor):
     """A :class:`concurrent.futures.ProcessPoolExecutor` that shares large arrays.
 
     Same constructor, methods and exceptions as the standard library's executor. Large
@@ -173,7 +173,6 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
                 "max_tasks_per_child is incompatible with the 'fork' multiprocessing "
                 "start method; supply a different mp_context."
             )
-        self._max_tasks_per_child = max_tasks_per_child
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self._transport = Transport(self._options)
@@ -190,25 +189,8 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
             initializer=initializer,
             initargs=initargs,
             env=self._worker_env,
+            max_tasks_per_child=max_tasks_per_child,
         )
-
-    def _setup_queues(
-        self, job_reducers: Any, result_reducers: Any, queue_size: int | None = None
-    ) -> None:
-        super()._setup_queues(job_reducers, result_reducers, queue_size)
-        # Same queues, with a cheaper envelope and worker recycling (see _queues). Set
-        # before anything is put on them: the call queue's feeder starts at the first put.
-        self._call_queue.__class__ = CallQueue
-        self._call_queue.max_tasks = self._max_tasks_per_child
-        self._result_queue.__class__ = ResultQueue
-
-    def _start_executor_manager_thread(self) -> None:
-        super()._start_executor_manager_thread()
-        if self._max_tasks_per_child is not None:
-            # Recycling is asked for: loky's warning about a recycled worker (meant for
-            # its memory-leak recycling) would be noise. Set before any worker can have
-            # finished its tasks, hence before the manager thread can read it.
-            self._executor_manager_thread.recycling_warned = True
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Schedule ``fn(*args, **kwargs)`` in a worker; return its future.
@@ -216,25 +198,12 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         Large array arguments are moved into shared memory when the call is sent to a
         worker, and large array results come back the same way.
         """
-        # loky's submit, except that the future is ours from the start: the task is
-        # complete before the feeder thread can pickle it, and no more objects than
-        # loky's own are left for the garbage collector per pending call.
+        # The future is ours from the start (not loky's, as its submit would make): the
+        # task is complete before the feeder thread can pickle it, and no more objects
+        # than loky's own are left for the garbage collector per pending call.
         task = Task(fn, args, kwargs, self._transport)
         future: _Future = _Future(task)
-        flags = self._flags
-        with flags.shutdown_lock:
-            if flags.broken is not None:
-                raise flags.broken
-            if flags.shutdown:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            if _loky_executor._global_shutdown:
-                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
-            work_id: int = self._queue_count  # type: ignore[has-type]
-            self._pending_work_items[work_id] = _WorkItem(future, run, (task,), _NO_KEYWORDS)
-            self._work_ids.put(work_id)
-            self._queue_count = work_id + 1
-            self._executor_manager_thread_wakeup.wakeup()  # it queues the call for a worker
-            self._ensure_executor_running()
+        self._enqueue(future, run, (task,))
         self._transport.counts.add("tasks_submitted")
         return future
 
@@ -287,15 +256,15 @@ class SharedProcessPoolExecutor(_LokyExecutor):  # type: ignore[misc]
         calls not yet started are cancelled.
         """
         if cancel_futures:
-            for work_item in list(self._pending_work_items.values()):
-                work_item.future.cancel()
+            for future in self._pending_futures():
+                future.cancel()
         super().shutdown(wait=wait)
         self._transport.close()
         if wait and self._init_task is not None:
             self._init_task.release()
 
 
-class _Future(_LokyFuture):  # type: ignore[misc]
+class _Future(LokyFuture):
     """loky's future, which releases its task's segments as soon as it is done, and raises
     a result that failed to rebuild instead of returning it.
 
@@ -329,7 +298,7 @@ class _Future(_LokyFuture):  # type: ignore[misc]
 
     def _release(self, delivered: Delivered | None) -> None:
         """Release the task's segments, once, before the future is seen done."""
-        with self._condition:
+        with self._state_lock:
             task, self.task = self.task, None
         if task is not None:
             task.release(delivered)
@@ -398,12 +367,12 @@ def get_executor(max_workers: int | None = None, **options: Any) -> SharedProces
     with _process_wide_lock:
         current = _process_wide
         if max_workers is None:
-            max_workers = current._max_workers if current is not None else cpu_count()
+            max_workers = current._pool_max_workers if current is not None else cpu_count()
         usable = (
             current is not None
-            and current._flags.broken is None
-            and not current._flags.shutdown
-            and current._max_workers == max_workers
+            and current._pool_broken is None
+            and not current._pool_shut_down
+            and current._pool_max_workers == max_workers
             and current._options == settings
         )
         if not usable:

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import cloudpickle
-from loky.backend import reduction as loky_reduction
 
 from . import _tracking
+from ._loky import DISPATCH_TABLE
 from .errors import ResultError
 
 __all__ = [
@@ -84,7 +84,7 @@ class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     """
 
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        loky_reduction._dispatch_table, cloudpickle.Pickler.dispatch_table
+        DISPATCH_TABLE, cloudpickle.Pickler.dispatch_table
     )
 
 

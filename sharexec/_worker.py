@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
-import importlib
 import io
 import os
 import pickle
@@ -36,7 +34,7 @@ from typing import Any
 
 import cloudpickle
 
-from . import _segments, _tracking
+from . import _loky, _segments, _tracking
 from ._config import KEPT_MAPPINGS, WARM_BYTES, WARM_IDLE_SECONDS, Options
 from ._segments import Mapping
 from ._wire import BufferRef, Pickler, Reply, is_plain, loads
@@ -52,7 +50,7 @@ def run_initializer(parent_pid: int, call: Any) -> None:
     pickled), or what that task's reduction rebuilt: ``[(fn, args, kwargs), options, ...]``.
     """
     _tracking.watch_parent(parent_pid)
-    _count_private_memory_only()
+    _loky.count_private_memory_only()
     if call is None:
         return
     if isinstance(call, list):
@@ -60,34 +58,6 @@ def run_initializer(parent_pid: int, call: Any) -> None:
     else:
         fn, args, kwargs = call.fn, call.args, call.kwargs or {}
     fn(*args, **kwargs)
-
-
-def _count_private_memory_only() -> None:
-    """Make loky's leak check in this worker count private memory only.
-
-    With psutil installed, a loky worker measures its resident memory after its first
-    task and restarts itself (with a warning about a memory leak) once it has grown by
-    300 MB. Pages of shared memory this worker merely maps count in that figure: a
-    worker reading a large shared array kept in a global by its initializer was restarted
-    for it, and its initializer run again. Here the measure leaves shared pages out
-    (psutil's ``shared``: resident pages backed by a file or by shared memory), so a
-    real leak of private memory still restarts the worker. Only this process, a worker
-    of ours, is changed.
-    """
-    from loky import process_executor
-
-    if getattr(process_executor, "_USE_PSUTIL", False):
-        process_executor._get_memory_usage = _private_memory
-
-
-def _private_memory(pid: int, force_gc: bool = False) -> int:
-    """Resident memory of ``pid`` that is its own: what loky's leak check should count."""
-    psutil = importlib.import_module("psutil")  # present: loky found it
-
-    if force_gc:
-        gc.collect()
-    info = psutil.Process(pid).memory_info()
-    return int(info.rss - getattr(info, "shared", 0))
 
 
 # ---------------------------------------------------------------------------------------
