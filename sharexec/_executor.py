@@ -43,10 +43,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
+import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
+from itertools import islice
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
@@ -55,7 +61,7 @@ from ._config import Options
 from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
 from ._transport import Task, Transport
 from ._wire import Delivered, RebuildFailure
-from ._worker import run, run_initializer
+from ._worker import run, run_chunk, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
@@ -235,19 +241,50 @@ class SharedProcessPoolExecutor(LokyExecutor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        buffersize: int | None = None,
     ) -> Iterator[T]:
         """Return an iterator of ``fn`` applied to the items of ``iterables``, in order.
 
-        As :meth:`concurrent.futures.Executor.map`. The chunks of a large array passed
-        as items (``np.array_split(a, 64)``) are each copied once into shared memory.
+        As :meth:`concurrent.futures.ProcessPoolExecutor.map` of Python 3.14, on every
+        Python sharexec supports. The chunks of a large array passed as items
+        (``np.array_split(a, 64)``) are each copied once into shared memory.
+
+        Parameters
+        ----------
+        fn : callable
+            Called as ``fn(*items)``, one item of each iterable.
+        *iterables : iterable
+            Consumed in step, until the shortest ends.
+        timeout : float, optional
+            Seconds, from this call, within which every result must be ready:
+            :class:`TimeoutError` when one is not.
+        chunksize : int, default 1
+            Calls sent to a worker together, in one task.
+        buffersize : int, optional
+            At most this many tasks (of ``chunksize`` calls) are submitted ahead of the
+            results consumed: ``map`` over a huge or endless iterator takes items as
+            results are taken. By default every call is submitted at once.
+
+        Returns
+        -------
+        iterator
+            The results, in the order of the items. A call's exception is raised when its
+            result is reached; closing the iterator cancels the calls not started.
         """
+        if buffersize is not None:
+            if not isinstance(buffersize, int):
+                raise TypeError("buffersize must be an integer or None")
+            if buffersize < 1:
+                raise ValueError("buffersize must be None or > 0")
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        calls = zip(*iterables, strict=False)  # to the shortest, as map()
         if chunksize == 1:
-            # A call per item, submitted as it is: loky (as the stdlib) would wrap each in
-            # a one-item chunk, a partial that no call with plain arguments could skip the
-            # pickling pass with (see Transport.plain_call).
-            return Executor.map(self, fn, *iterables, timeout=timeout)
-        results: Iterator[T] = super().map(fn, *iterables, timeout=timeout, chunksize=chunksize)
-        return results
+            # A call per item, submitted as it is, so that calls with plain arguments
+            # skip the pickling pass (see Transport.plain_call).
+            return _results(self, fn, calls, timeout, buffersize)
+        chunks = ((chunk,) for chunk in _batched(calls, chunksize))
+        return _flatten(_results(self, partial(run_chunk, fn), chunks, timeout, buffersize))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Free the workers and, with ``wait``, the segments of the executor.
@@ -262,6 +299,101 @@ class SharedProcessPoolExecutor(LokyExecutor):
         self._transport.close()
         if wait and self._init_task is not None:
             self._init_task.release()
+
+    def terminate_workers(self) -> None:
+        """Terminate every live worker now (SIGTERM), and shut the executor down.
+
+        As :meth:`concurrent.futures.ProcessPoolExecutor.terminate_workers` of Python
+        3.14: the calls not started are cancelled, those running fail with
+        :class:`~concurrent.futures.process.BrokenProcessPool`, and no call may be
+        submitted afterwards. Their segments are freed as for any dead worker.
+        """
+        self._force_shutdown(kill=False)
+
+    def kill_workers(self) -> None:
+        """Kill every live worker now (SIGKILL), and shut the executor down.
+
+        As :meth:`concurrent.futures.ProcessPoolExecutor.kill_workers` of Python 3.14,
+        otherwise as :meth:`terminate_workers`.
+        """
+        self._force_shutdown(kill=True)
+
+    def _force_shutdown(self, kill: bool) -> None:
+        # The processes first: shutting down forgets them. Not waiting: a worker that
+        # would not exit would hold us forever.
+        processes = self._pool_processes()
+        self.shutdown(wait=False, cancel_futures=True)
+        signum = signal.SIGKILL if kill else signal.SIGTERM
+        for process in processes:
+            try:
+                if process.is_alive():  # not exited (and reaped): its pid is still its own
+                    os.kill(process.pid, signum)  # loky's processes have no kill()
+            except (ValueError, ProcessLookupError):  # closed, or gone meanwhile
+                continue
+        if self._init_task is not None:
+            self._init_task.release()  # no worker will start again to need it
+
+
+def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
+    """``items`` in lists of ``n`` (the last may be shorter), as they are taken."""
+    while chunk := list(islice(items, n)):
+        yield chunk
+
+
+def _results(
+    executor: SharedProcessPoolExecutor,
+    fn: Callable[..., Any],
+    calls: Iterator[tuple[Any, ...]],
+    timeout: float | None,
+    buffersize: int | None,
+) -> Iterator[Any]:
+    """Submit the calls (all now, or ``buffersize`` ahead) and iterate their results.
+
+    The standard library's ``Executor.map`` of Python 3.14, which older Pythons lack.
+    """
+    end = None if timeout is None else timeout + time.monotonic()
+    futures = deque(executor.submit(fn, *args) for args in islice(calls, buffersize))
+    # Weakly: an executor is collected (and shut down) as usual while this iterator lives.
+    owner = weakref.ref(executor)
+
+    def iterate() -> Iterator[Any]:
+        try:
+            while futures:
+                if buffersize is not None:
+                    alive = owner()
+                    args = next(calls, None) if alive is not None else None
+                    if args is not None and alive is not None:
+                        futures.append(alive.submit(fn, *args))
+                    del alive
+                # Not a name for the future: a reference kept here would keep its
+                # result (and a traceback cycle) alive while the caller holds the value.
+                if end is None:
+                    yield _result_or_cancel(futures.popleft())
+                else:
+                    yield _result_or_cancel(futures.popleft(), end - time.monotonic())
+        finally:
+            for future in futures:
+                future.cancel()
+
+    return iterate()
+
+
+def _result_or_cancel(future: Future[Any], timeout: float | None = None) -> Any:
+    try:
+        try:
+            return future.result(timeout)
+        finally:
+            future.cancel()
+    finally:
+        del future  # breaks the cycle of an exception's traceback with this frame
+
+
+def _flatten(chunks: Iterator[list[Any]]) -> Iterator[Any]:
+    """The items of each chunk's list of results, holding none once yielded."""
+    for chunk in chunks:
+        chunk.reverse()
+        while chunk:
+            yield chunk.pop()
 
 
 class _Future(LokyFuture):

@@ -9,7 +9,8 @@ package sees the small surface below, with plain names:
   own class (loky's ``submit`` makes its own future, so ``_enqueue`` repeats its few
   lines on loky's state: ``_flags``, ``_pending_work_items``, ``_work_ids``,
   ``_queue_count``, the manager thread's wake-up); the pool's state read through
-  ``_pool_broken``, ``_pool_shut_down``, ``_pool_max_workers`` and ``_pending_futures()``;
+  ``_pool_broken``, ``_pool_shut_down``, ``_pool_max_workers``, ``_pool_processes()`` and
+  ``_pending_futures()``;
   and the two queue subclasses below, swapped in as loky creates its queues.
 * The queues, subclasses of loky's (:class:`_CallQueue`, :class:`_ResultQueue`): loky
   pickles every item it puts on a queue with a fresh cloudpickle pickler, whose set-up
@@ -122,6 +123,7 @@ def _problems() -> list[str]:
             "_executor_manager_thread_wakeup",
             "_executor_manager_thread",
             "_max_workers",
+            "_processes",
             "_call_queue",
             "_result_queue",
         ),
@@ -367,6 +369,11 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
     def _pool_max_workers(self) -> int:
         """The number of workers the pool keeps."""
         return int(self._max_workers)
+
+    def _pool_processes(self) -> list[Any]:
+        """The worker processes alive now (a copy: shutting down empties loky's table)."""
+        processes = self._processes
+        return list(processes.values()) if processes else []
 
     def _pending_futures(self) -> list[Future[Any]]:
         """The futures of the calls not done yet, e.g. for ``shutdown(cancel_futures=True)``."""

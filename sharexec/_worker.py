@@ -40,7 +40,7 @@ from ._segments import Mapping
 from ._wire import BufferRef, Pickler, Reply, is_plain, loads
 from .errors import SegmentError
 
-__all__ = ["KeptMappings", "kept", "load_call", "run", "run_initializer"]
+__all__ = ["KeptMappings", "kept", "load_call", "run", "run_chunk", "run_initializer"]
 
 
 def run_initializer(parent_pid: int, call: Any) -> None:
@@ -141,6 +141,11 @@ def run(call: Any) -> Any:
 
     packed = dumps(result, BackwardSink(options, lent, kept.attach_lent))
     return Reply(packed.payload, packed.buffers, released, token, packed.keep)
+
+
+def run_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:
+    """Run ``fn`` over a chunk of ``map``'s calls, in order (``map(chunksize=...)``)."""
+    return [fn(*args) for args in chunk]
 
 
 def _dumps_in_band(result: Any, options: Options) -> bytes | None:

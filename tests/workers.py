@@ -196,3 +196,16 @@ def shared_mapped() -> list[str]:
     from sharexec import _tracking
 
     return sorted(_tracking._registry.by_name)
+
+
+def inverse(x: float) -> float:
+    return 1.0 / x
+
+
+def add(x: Any, y: Any) -> Any:
+    return x + y
+
+
+def wait_for(event: Any) -> bool:
+    """Block until ``event`` (a Manager's Event) is set."""
+    return bool(event.wait(120))
