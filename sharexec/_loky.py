@@ -303,7 +303,7 @@ _NO_KEYWORDS: dict[str, Any] = {}  # the keywords of every call queued: never ch
 
 
 class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
-    """loky's executor, with what sharexec's needs of its internals under plain names.
+    """loky's executor, with what sharexec needs of its internals under plain names.
 
     ``max_tasks_per_child`` recycles each worker after that many tasks (loky's constructor
     has no such argument); the other arguments are loky's. The call and result queues are
