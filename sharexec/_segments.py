@@ -66,7 +66,6 @@ class Mapping(mmap.mmap):
     name: str
     address: int
     owner: object  # what must outlive this mapping, e.g. the tracking handle that unlinks
-    source: tuple[int, int] | None  # a copy: the (address, length) of the bytes it holds
     private: bool  # copy-on-write: this process's writes stay its own
 
 
@@ -97,7 +96,6 @@ def _map(fd: int, name: str, size: int, private: bool, populate: bool = False) -
     mapping.address = ctypes.addressof(probe)
     del probe  # releases the buffer export, so the mapping can be closed later
     mapping.owner = None
-    mapping.source = None
     mapping.private = private and not populate
     return mapping
 
