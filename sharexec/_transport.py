@@ -294,12 +294,12 @@ class Functions:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
         self._lock = threading.Lock()
-        # Whether each function pickles by name, e.g. {<function total>: True}; valid
-        # while cloudpickle's by-value registry is _registry.
-        self._by_name: weakref.WeakKeyDictionary[types.FunctionType, bool] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._registry: frozenset[str] = frozenset()
+        # Whether each function pickles by name, by the function's id, with a weak
+        # reference to it, e.g. {140213: (<weakref to total>, True)}: looked up per call,
+        # with no weak reference made for the look-up (as a WeakKeyDictionary would).
+        # Valid while cloudpickle's by-value registry is _registry.
+        self._by_name: dict[int, tuple[weakref.ref[types.FunctionType], bool]] = {}
+        self._registry: set[str] = set()
         # Pickles of functions sent by value, e.g. {<function square>: b"\x80\x05…"};
         # None: not cacheable (large buffers in its globals).
         self._payloads: weakref.WeakKeyDictionary[types.FunctionType, bytes | None] = (
@@ -316,14 +316,14 @@ class Functions:
 
     def by_name(self, fn: types.FunctionType) -> bool:
         """Whether cloudpickle pickles ``fn`` by reference to its module and name."""
-        registry = frozenset(cloudpickle.list_registry_pickle_by_value())
-        with self._lock:
-            if registry != self._registry:  # a module was (un)registered: ask again
+        registry = cloudpickle.list_registry_pickle_by_value()  # a copy, of a few names
+        if registry != self._registry:  # a module was (un)registered: ask again
+            with self._lock:
                 self._by_name.clear()
                 self._registry = registry
-            known = self._by_name.get(fn)
-        if known is not None:
-            return known
+        known = self._by_name.get(id(fn))
+        if known is not None and known[0]() is fn:
+            return known[1]
         by_name = fn.__module__ != "__main__"  # always by value, cloudpickle documents
         if by_name:
             try:
@@ -332,8 +332,15 @@ class Functions:
                 by_name = False
             else:
                 by_name = cloudpickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL) == reference
+        key = id(fn)
+
+        def forget(ref: weakref.ref[types.FunctionType]) -> None:
+            with self._lock:
+                if self._by_name.get(key, (None,))[0] is ref:
+                    del self._by_name[key]
+
         with self._lock:
-            self._by_name[fn] = by_name
+            self._by_name[key] = (weakref.ref(fn, forget), by_name)
         return by_name
 
     def payload(self, fn: types.FunctionType) -> bytes | None:
