@@ -2,13 +2,16 @@
 
 The API reference (``docs/api.rst``) lists exactly the names of ``sharexec.__all__``, each
 once; every page named in a toctree exists; every example has the title sphinx-gallery
-needs. ``nox -s docs`` builds the site itself, with warnings as errors.
+needs; every ``>>>`` example of a page runs and prints what the page says. ``nox -s docs``
+builds the site itself, with warnings as errors.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,25 @@ def test_example_has_a_gallery_title(path):
         f"{path.name}: the docstring must open with a title underlined with '='"
     )
     assert len(underline.strip()) >= len(title.strip()), f"{path.name}: underline too short"
+
+
+DOCTEST_PAGES = sorted(p for p in DOCS.rglob("*.md") if ">>> " in p.read_text(encoding="utf-8"))
+
+
+def test_some_pages_have_doctests():
+    assert DOCS / "how-it-works.md" in DOCTEST_PAGES  # the worked example of statistics()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("page", DOCTEST_PAGES, ids=lambda p: p.relative_to(DOCS).as_posix())
+def test_doctests_of_the_docs_pass(page, no_leaks):
+    """Every ``>>>`` example of a page runs, in a fresh interpreter (counts of segments
+    and of calls are the process's own), and prints what the page says it prints."""
+    code = (
+        "import doctest, sys\n"
+        f"result = doctest.testfile({str(page)!r}, module_relative=False)\n"
+        "print(result.attempted, result.failed)\n"
+        "sys.exit(1 if result.failed or not result.attempted else 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout + out.stderr
