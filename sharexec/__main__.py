@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
             "pools), check the results against the serial computation and print the "
             "times. It measures the cost of moving the data between processes, not a "
             "parallel speed-up. At the default size the stdlib executor takes up to a "
-            "minute, and the demo needs about 5 GiB of memory at its peak (5x the "
+            "minute, and the demo needs about 7.1 GiB of memory at its peak (7x the "
             "array); --size-mb 64 runs in seconds."
         ),
     )

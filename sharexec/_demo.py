@@ -52,12 +52,14 @@ MAX_WORKERS = 2
 START_METHOD = "spawn"
 N_CHUNKS = 64
 DEFAULT_SIZE_MB = 1024
-# The demo's peak memory, as a multiple of the array's size: the array and its serial
-# square root in the parent, and, while the standard library's executor moves np.sqrt(a),
-# the pickled argument, the worker's copy and result, the pickled result and the parent's
-# copy of it in flight. Measured: peak PSS of the demo's process tree (sampled every
-# 20 ms) 1.0 GiB-equivalent ... see docs/performance.md, "The demo" for the run.
-PEAK_FACTOR = 5.0
+# The demo's peak memory: PEAK_FACTOR times the array, plus PEAK_BASE_BYTES for three
+# interpreters with NumPy. The array and its serial square root stay in the parent, and
+# while the standard library's executor moves np.sqrt(a), the pickled argument, the
+# worker's copy and result, the pickled result and the parent's copy of it are in flight.
+# Measured with `python bench/demo_memory.py` (peak PSS of the demo's process tree) on
+# 2026-12-01: 1863 MiB at --size-mb 256, 7281 MiB at 1024 (the default).
+PEAK_FACTOR = 7
+PEAK_BASE_BYTES = 128 << 20
 # How long each warm-up task lingers, so that every worker of a pool that starts its
 # workers on demand (the stdlib's under spawn) is started before the clock runs.
 _WARM_UP_SECONDS = 0.05
@@ -74,7 +76,7 @@ class SizeError(ValueError):
 
 def peak_bytes(size_mb: float) -> int:
     """About how much memory the demo uses at its peak for an array of ``size_mb`` MiB."""
-    return int(PEAK_FACTOR * size_mb * 2**20)
+    return int(PEAK_FACTOR * size_mb * 2**20) + PEAK_BASE_BYTES
 
 
 def available_memory() -> int | None:
@@ -104,10 +106,11 @@ def check_size(size_mb: float, available: int | None = None) -> None:
     available = available_memory() if available is None else available
     need = peak_bytes(size_mb)
     if available is not None and need > available:
+        fitting = max(1, int((available - PEAK_BASE_BYTES) / PEAK_FACTOR / 2**20 * 0.8))
         raise SizeError(
             f"{_gib(size_mb * 2**20)} array needs about {_gib(need)} of memory at its "
-            f"peak ({PEAK_FACTOR:g}x the array), and this machine has {_gib(available)} "
-            f"available; try --size-mb {max(1, int(available / PEAK_FACTOR / 2**20 * 0.8))}"
+            f"peak ({PEAK_FACTOR:g}x the array, and the interpreters), and this machine "
+            f"has {_gib(available)} available; try --size-mb {fitting}"
         )
 
 
@@ -129,8 +132,9 @@ def plan(size_mb: float) -> str:
             "It measures the cost of moving the data (pickling through a pipe, against "
             "shared memory), not a parallel speed-up:",
             "the sum alone is faster in this process than through either pool.",
-            f"Peak memory: about {_gib(peak_bytes(size_mb))} ({PEAK_FACTOR:g}x the array), "
-            f"in the standard library's half. This machine has {workers} CPUs.",
+            f"Peak memory: about {_gib(peak_bytes(size_mb))} ({PEAK_FACTOR:g}x the array, "
+            "and the interpreters), in the standard library's half. "
+            f"This machine has {workers} CPUs.",
         ]
     )
 
@@ -355,9 +359,11 @@ def format_report(report: DemoReport) -> str:
             "",
             f"Results match the serial computation (sum {report.serial.chunk_sum:.2f} s, "
             f"np.sqrt {report.serial.sqrt:.2f} s in-process).",
-            "These times are the cost of moving the data between processes, not a parallel "
-            "speed-up: the in-process sum",
-            "is faster than either pool. Start-up varies by tens of ms from run to run; "
-            "docs/performance.md gives medians of 5.",
+            "These times are the cost of moving the data between processes, not a "
+            "parallel speed-up:",
+            "the in-process sum is faster than either pool. Start-up varies from run to "
+            "run by more than",
+            "the difference between the two; docs/performance.md gives medians of 5 "
+            "(python bench/run.py).",
         ]
     )

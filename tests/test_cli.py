@@ -41,9 +41,15 @@ def test_demo_rejects_a_bad_size_in_one_line(size):
 
 
 def test_demo_names_the_memory_a_size_needs():
-    with pytest.raises(_demo.SizeError, match=r"needs about 5\.0 GiB .* 2\.0 GiB available"):
+    with pytest.raises(_demo.SizeError, match=r"needs about 7\.1 GiB .* 2\.0 GiB available"):
         _demo.check_size(1024, available=2 << 30)
     _demo.check_size(64, available=2 << 30)
+
+
+def test_demo_help_states_the_peak_memory_of_the_default_size():
+    out = sharexec_cli("demo", "--help")
+    peak = _demo._gib(_demo.peak_bytes(_demo.DEFAULT_SIZE_MB))
+    assert f"about {peak} of memory at its peak" in " ".join(out.stdout.split())
 
 
 def test_demo_checks_the_environment_before_running_anything():
@@ -60,7 +66,7 @@ def test_demo_says_what_it_measures_and_shows_progress():
     text = out.stdout
     plan, _, rest = text.partition("... ")
     # Up front: the peak memory, and that this is the cost of moving data.
-    assert "Peak memory: about 40 MiB (5x the array)" in plan
+    assert "Peak memory: about 184 MiB (7x the array" in plan
     assert "not a parallel speed-up" in plan
     assert "did you mean SHAREXEC_MIN_SHARE_BYTES?" in plan
     # Progress through the stdlib's half, as through sharexec's.

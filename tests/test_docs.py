@@ -132,3 +132,57 @@ def test_doctests_of_the_docs_pass(page, no_leaks):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_readme_states_the_constants_as_the_code_has_them():
+    from sharexec import _config, _demo
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert _config.DEFAULT_MIN_SHARE_BYTES == 256 << 10 and "from 256 KiB" in readme
+    assert _config.WARM_BYTES == 1 << 30 and "at most 1 GiB" in readme
+    assert f"freed after {_config.WARM_IDLE_SECONDS:g} s unused" in readme
+    peak = _demo._gib(_demo.peak_bytes(_demo.DEFAULT_SIZE_MB))
+    assert f"about {peak} of memory at its peak" in readme
+    assert f"({_demo.PEAK_FACTOR:g} times the array" in readme
+
+
+def test_the_pool_takes_at_most_a_quarter_of_shared_memory(monkeypatch):
+    import shutil
+
+    from sharexec import _transport
+
+    usage = shutil.disk_usage(_transport._segments.SHM_FOLDER)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(total=64_000_000))
+    assert _transport._pool_limit() == 16_000_000  # Docker's default /dev/shm: 16 MB
+
+
+def test_every_benchmark_figure_comes_from_the_committed_run():
+    """The figures of every page are rendered from docs/bench-results.json (one run of
+    bench/run.py) by bench/render.py, and agree with it: they cannot drift apart."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import render
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    run = render.load()
+    assert run.rows, "docs/bench-results.json holds no measurement"
+    for page in render.PAGES:
+        text = page.read_text(encoding="utf-8")
+        names = {m["name"] for m in render.BLOCK.finditer(text)}
+        assert names, f"{page.relative_to(ROOT)} has no rendered block"
+        assert names <= set(render.BLOCKS), names - set(render.BLOCKS)
+    assert render.stale(run) == [], "run python bench/render.py"
+
+
+# docs/design.md is being rewritten apart (the version to come cites nothing outside).
+SELF_CONTAINED_EXCEPT = {"design.md"}
+
+
+def test_the_docs_stand_alone():
+    """No page refers to what is not in the repository (the project's design contract)."""
+    for page in sorted(DOCS.rglob("*.md")):
+        if page.relative_to(DOCS).as_posix() in SELF_CONTAINED_EXCEPT:
+            continue
+        text = page.read_text(encoding="utf-8")
+        for pattern in (r"DESIGN\.md", r"design contract", r"\bD[1-9]\b"):
+            assert not re.search(pattern, text), f"{page.relative_to(DOCS)}: {pattern}"
