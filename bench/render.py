@@ -131,9 +131,30 @@ def run_block(run: Run) -> str:
         f"`{v['sharexec_commit']}`. Its results file is "
         "[docs/bench-results.json](bench-results.json), and every figure of these pages is "
         "rendered from it by `bench/render.py` (the test suite checks that they agree). "
-        f"The machine was shared with other jobs (load average {load} before and after "
-        f"the run, {r['wall_s']:.0f} s of wall time), so differences of less than about "
-        "10% are noise.\n"
+        + loaded(r, load)
+    )
+
+
+def busy(r: dict[str, Any]) -> bool:
+    """Whether the machine had more runnable work than CPUs, before or after the run."""
+    loads = [float(one_minute_load(r[k])) for k in ("load_before", "load_after")]
+    return max(loads) > r["cpus"]
+
+
+def loaded(r: dict[str, Any], load: str) -> str:
+    """What the machine's load says about the figures."""
+    if not busy(r):
+        return (
+            f"The machine was shared with other jobs (load average {load} before and after "
+            f"the run, {r['wall_s']:.0f} s of wall time), so differences of less than "
+            "about 10% are noise.\n"
+        )
+    return (
+        f"**The machine was busy with other jobs** (load average {load} before and after "
+        f"the run, on {r['cpus']} CPUs; {r['wall_s']:.0f} s of wall time): every system "
+        "waited for the CPUs, small and CPU-bound workloads (start-up, W5) most, so their "
+        "ratios say little, and close figures do not tell two systems apart. Re-run on "
+        "a quiet machine and publish that run (see *Running it yourself*).\n"
     )
 
 
@@ -243,7 +264,9 @@ def tiny_tasks_block(run: Run) -> str:
         f"- **Tiny tasks** {verdict}: on the benchmark (W5, "
         f"10,000 tasks that carry no array) sharexec took {submit:.2f} times the standard "
         f"library's time by `submit` and {mapped:.2f} times by `map` (see "
-        "[Performance](../performance.md), the run it names). A call whose arguments are "
+        "[Performance](../performance.md), the run it names"
+        + (", on a busy machine" if busy(run.record) else "")
+        + "). A call whose arguments are "
         "plain values skips the array scan; for tasks of microseconds, give `map` a "
         "`chunksize` all the same.\n"
     )
