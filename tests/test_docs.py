@@ -186,3 +186,30 @@ def test_the_docs_stand_alone():
         text = page.read_text(encoding="utf-8")
         for pattern in (r"DESIGN\.md", r"design contract", r"\bD[1-9]\b"):
             assert not re.search(pattern, text), f"{page.relative_to(DOCS)}: {pattern}"
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_counts_the_slow_tests_it_deselects():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stated = re.search(r"The (\d+)\s+deselected are the slow tests", readme)
+    assert stated, "README.md: how many slow tests the default run deselects"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            "slow",
+            "-p",
+            "no:cacheprovider",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
+    )
+    collected = re.search(r"(\d+)/\d+ tests collected", out.stdout)
+    assert collected, out.stdout + out.stderr
+    assert collected[1] == stated[1], "update README.md's count of slow tests"
