@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 from . import _tracking
 from ._config import Options
 from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
-from ._transport import Task, Transport
+from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, RebuildFailure
 from ._worker import run, run_chunk, run_initializer
 
@@ -88,29 +88,56 @@ def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
 
 @dataclass(frozen=True)
 class Statistics:
-    """A snapshot of what an executor moved through shared memory.
+    """A snapshot of what an executor moved through shared memory, and what is held now.
+
+    The byte counts are of the data itself (no pickle framing) and run from the
+    executor's creation; the segment counts are of this moment. A worked example whose
+    numbers the test suite checks is in the documentation (*How it works*, "Reading
+    statistics()").
 
     Attributes
     ----------
     segments_live : int
-        Shared-memory segments this process holds now: shared arrays, copies of
-        arguments in flight, results not yet collected, warm segments pooled for reuse.
+        Segments of this process that hold live data now: shared arrays (from
+        :func:`sharexec.zeros` and friends, of any executor or none), copies of the
+        arguments of tasks in flight, segments lent to tasks in flight for their results,
+        and results not yet garbage-collected. Warm segments kept in pools for reuse are
+        not counted here (see `segments_pooled`). Counted for the whole process: a
+        shared array belongs to no executor.
     bytes_in_shared_memory : int
-        Their total size.
+        The total size of the `segments_live` (including, after a fallback, file-backed
+        segments on disk).
+    segments_pooled : int
+        Warm segments this executor keeps for its next copies and results: no data of
+        yours lives in them, and they are freed after 10 s unused or at shutdown.
+    bytes_pooled : int
+        Their total size: at most a quarter of the shared-memory folder, and 1 GiB.
     bytes_copied : int
-        Argument bytes this executor copied into shared memory (one memcpy each).
+        Bytes of arguments copied into shared memory, one memcpy each: a large private
+        array (or its part a task can see) once per copy made, a gappy view
+        (``img[:1024, :1024]``) once, compactly.
     bytes_reused : int
-        Argument bytes served by a copy already in shared memory: copies avoided.
+        Bytes of arguments sent from a copy that already held them, instead of copying
+        them again: the same unchanged array submitted again while its copy lived, or
+        a second view of one base in the same call (``f(a, a.T)``). Copies avoided; never
+        overlaps `bytes_copied` for the same send.
     bytes_by_reference : int
-        Bytes of shared arrays passed by reference (nothing copied).
+        Bytes of shared arrays and views passed to tasks by reference (nothing copied),
+        summed over calls: what each task can reach through the views it was given
+        (``out[:1000]``: 1000 elements; at most the segment's size). An array passed to
+        ten tasks counts ten times: this is the pickling avoided, not memory in use.
     fallbacks : int
-        Times shared memory fell short: a file on disk, or pickling, was used instead.
+        Times shared memory fell short for an argument: a file on disk, or pickling, was
+        used instead.
     tasks_submitted, tasks_done : int
-        Calls submitted, and calls whose future is done.
+        Calls submitted, and calls whose future is done (result, exception or
+        cancelled).
     """
 
     segments_live: int
     bytes_in_shared_memory: int
+    segments_pooled: int
+    bytes_pooled: int
     bytes_copied: int
     bytes_reused: int
     bytes_by_reference: int
@@ -219,14 +246,19 @@ class SharedProcessPoolExecutor(LokyExecutor):
         Returns
         -------
         Statistics
-            Counts since the executor was created, and the segments this process
-            holds right now.
+            Counts since the executor was created, and the segments held right now
+            (live data apart from the warm pool); each field is described there.
         """
         counts = self._transport.counts
-        segments, size = _tracking.live()
+        pooled, pooled_bytes = self._transport.pool.totals()
+        # The process's own segments less every executor's pool: those holding data.
+        owned, owned_bytes = _tracking.live()
+        everywhere, everywhere_bytes = pooled_everywhere()
         return Statistics(
-            segments_live=segments,
-            bytes_in_shared_memory=size,
+            segments_live=max(0, owned - everywhere),
+            bytes_in_shared_memory=max(0, owned_bytes - everywhere_bytes),
+            segments_pooled=pooled,
+            bytes_pooled=pooled_bytes,
             bytes_copied=counts["bytes_copied"],
             bytes_reused=counts["bytes_reused"],
             bytes_by_reference=counts["bytes_by_reference"],

@@ -46,12 +46,12 @@ import numpy as np
 
 from . import _segments, _tracking, _wire
 from ._config import WARM_BYTES, WARM_IDLE_SECONDS, Options
-from ._reduction import Sink, argument_owner, dumps
+from ._reduction import Packed, Sink, argument_owner, dumps
 from ._segments import Mapping
 from ._wire import BufferRef, Delivered, is_plain, load_function
 from ._worker import load_call
 
-__all__ = ["ForwardSink", "Task", "Transport"]
+__all__ = ["ForwardSink", "Task", "Transport", "pooled_everywhere"]
 
 _FUNCTIONS_REMEMBERED = 256  # functions whose last result sizes are kept
 
@@ -381,13 +381,15 @@ class ForwardSink(Sink):
         self.cache_functions = cache_functions
 
     def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
-        self.count("bytes_by_reference", nbytes)
+        # What the task can reach through this view: its elements, and never more than
+        # the segment (a broadcast view, stride 0, has more elements than bytes).
+        self.count("bytes_by_reference", min(nbytes, len(mapping)))
         return False
 
     def place(self, raw: memoryview, low: int) -> Mapping | None:
         reused = self.transport.reuse(raw, low, self.task)
-        if reused is not None:
-            self.count("bytes_reused", raw.nbytes)
+        if reused is not None:  # a copy made for an earlier call: a copy avoided
+            self.transport.counts.add("bytes_reused", raw.nbytes)
             return reused
         made = self.transport.number()  # tasks numbered below came before this copy
         mapping = super().place(raw, low)
@@ -407,7 +409,25 @@ class ForwardSink(Sink):
         _in_parallel(len(source), copy)
 
     def count(self, what: str, n: int) -> None:
-        self.transport.counts.add(what, n)
+        # The pass reports a buffer inside bytes it copied earlier in the same pass as
+        # reused; but a gappy view's compact copy is such a buffer too, at its first and
+        # only use (copied, not reused). Reuse within a pass is counted in done()
+        # instead, from the buffers themselves.
+        if what != "bytes_reused":
+            self.transport.counts.add(what, n)
+
+    def done(self, packed: Packed) -> None:
+        # A buffer in a segment an earlier buffer of this pass went to shares that copy
+        # (a second view of one base: a.T after a): a copy avoided. The first buffer in
+        # each segment was copied there, or reused from an earlier call (see place()).
+        seen: set[str] = set()
+        reused = 0
+        for name, _, _, length in packed.buffers:
+            if name in seen:
+                reused += length
+            seen.add(name)
+        if reused:
+            self.transport.counts.add("bytes_reused", reused)
 
     def fell_back(self, message: str) -> None:
         self.count("fallbacks", 1)
@@ -574,6 +594,7 @@ class SegmentPool:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
+        _pools.add(self)
         # Oldest first, with the time each came in, e.g. [(<Mapping>, 5012.5)].
         self._pool: list[tuple[Mapping, float]] = []
         self._closed = False
@@ -606,6 +627,11 @@ class SegmentPool:
         """Names of the segments in the pool."""
         with self._lock:
             return [m.name for m, _ in self._pool]
+
+    def totals(self) -> tuple[int, int]:
+        """How many segments the pool holds now, and their total size in bytes."""
+        with self._lock:
+            return len(self._pool), sum(len(m) for m, _ in self._pool)
 
     def close(self) -> None:
         """Drop every pooled segment; none comes in any more."""
@@ -719,6 +745,17 @@ class ResultLoans:
             _tracking.forget(name)
 
 
+# Every executor's pool in this process: the segments this process owns less these are
+# the ones that hold live data (statistics()).
+_pools: weakref.WeakSet[SegmentPool] = weakref.WeakSet()
+
+
+def pooled_everywhere() -> tuple[int, int]:
+    """Segments in the pools of every executor of this process, and their total size."""
+    totals = [pool.totals() for pool in list(_pools)]
+    return sum(n for n, _ in totals), sum(size for _, size in totals)
+
+
 def _put_back(pool: weakref.ref[SegmentPool], mapping: Mapping) -> None:
     """A result is collected: its segment goes to the pool, or is dropped (and so
     unlinked) if the pool's executor is gone."""
@@ -734,6 +771,12 @@ def _put_back(pool: weakref.ref[SegmentPool], mapping: Mapping) -> None:
 
 class Counts:
     """What went where, for ``statistics()``, e.g. ``{"bytes_copied": 8000000}``.
+
+    ``bytes_copied``: bytes copied into segments for calls (each memcpy, a gappy view's
+    compact copy included); ``bytes_reused``: bytes a call sent from a copy that already
+    held them instead (an earlier call's, or an earlier view's of the same pass);
+    ``bytes_by_reference``: per call, the bytes of each shared view passed (at most its
+    segment's size); ``fallbacks``; ``tasks_submitted``, ``tasks_done``.
 
     Updated from the user's threads (submit), the feeder thread (the pass) and the
     manager thread (a future done): under a lock.
