@@ -123,17 +123,18 @@ def plan(size_mb: float) -> str:
     workers = os.cpu_count() or 1
     return "\n".join(
         [
-            f"This demo moves one {_gib(size_mb * 2**20)} float64 array between processes: "
-            f"sum(ex.map(chunk_sum, np.array_split(a, {N_CHUNKS}))) and "
+            f"This demo moves one {_gib(size_mb * 2**20)} float64 array between processes:",
+            f"  sum(ex.map(chunk_sum, np.array_split(a, {N_CHUNKS}))) and "
             "ex.submit(np.sqrt, a).result(),",
-            "first with concurrent.futures.ProcessPoolExecutor, then with "
-            f"sharexec.SharedProcessPoolExecutor ({MAX_WORKERS} workers each, start "
-            f"method {START_METHOD!r}).",
+            "first with concurrent.futures.ProcessPoolExecutor, then with",
+            f"sharexec.SharedProcessPoolExecutor ({MAX_WORKERS} workers each, start method "
+            f"{START_METHOD!r}).",
             "It measures the cost of moving the data (pickling through a pipe, against "
-            "shared memory), not a parallel speed-up:",
-            "the sum alone is faster in this process than through either pool.",
+            "shared memory),",
+            "not a parallel speed-up: the sum alone is faster in this process than through "
+            "either pool.",
             f"Peak memory: about {_gib(peak_bytes(size_mb))} ({PEAK_FACTOR:g}x the array, "
-            "and the interpreters), in the standard library's half. "
+            "and the interpreters), in the standard library's half.",
             f"This machine has {workers} CPUs.",
         ]
     )
