@@ -174,15 +174,9 @@ def test_every_benchmark_figure_comes_from_the_committed_run():
     assert render.stale(run) == [], "run python bench/render.py"
 
 
-# docs/design.md is being rewritten apart (the version to come cites nothing outside).
-SELF_CONTAINED_EXCEPT = {"design.md"}
-
-
 def test_the_docs_stand_alone():
     """No page refers to what is not in the repository (the project's design contract)."""
     for page in sorted(DOCS.rglob("*.md")):
-        if page.relative_to(DOCS).as_posix() in SELF_CONTAINED_EXCEPT:
-            continue
         text = page.read_text(encoding="utf-8")
         for pattern in (r"DESIGN\.md", r"design contract", r"\bD[1-9]\b"):
             assert not re.search(pattern, text), f"{page.relative_to(DOCS)}: {pattern}"
