@@ -168,12 +168,13 @@ def _create(size: int, spill_to: str | None) -> Mapping:
     """A new segment owned by this process.
 
     In shared memory; if that fails (full, too small, missing) and ``spill_to`` is given,
-    file-backed in a private folder inside ``spill_to`` (a name that is a path).
+    file-backed in a private folder inside ``spill_to`` (a name that is a path). Not when
+    this process is out of file descriptors: a file needs one as well.
     """
     try:
         return _create_named(_segments.new_name(), size)
     except SegmentError as exc:
-        if spill_to is None:
+        if spill_to is None or exc.errno in _segments.OUT_OF_DESCRIPTORS:
             raise
         logger.info("%s; spilling to a file in %s", exc, spill_to)
         folder = _owned.spill_folder(spill_to)
