@@ -80,12 +80,28 @@ def load_call(
     _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
     holders: dict[str, Any] = {}
     kept.drop_unlinked()
-    with _tracking.attached_shared() as shared:
-        call = loads(payload, buffers, kept.hold_copy, holders)
+    try:
+        with _tracking.attached_shared() as shared:
+            call = loads(payload, buffers, kept.hold_copy, holders)
+    except Exception as exc:
+        # This runs while loky unpickles the call item, where an exception breaks the
+        # whole pool (as the standard library's does: its worker dies). The call item
+        # unpickles instead, and run() raises the error: only this call's future fails,
+        # with the worker's traceback of the failure.
+        return _Unloadable(exc)
     if shared:
         kept.keep_shared(shared)
     # A list, so that run() can empty it: loky's call item holds it during the call.
     return [call, options, [(n, weakref.ref(h)) for n, h in holders.items()], (token, lent)]
+
+
+class _Unloadable:
+    """A call whose arguments failed to rebuild here (an array subclass whose
+    ``__array_finalize__`` raises, a class missing in the worker): :func:`run` raises
+    ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error: Exception | None = error
 
 
 # The contexts of the calls this worker received, by their pickle (one per executor).
@@ -116,6 +132,11 @@ def run(call: Any) -> Any:
     * anything else: the backward pass of :mod:`sharexec._reduction` (which imports
       NumPy), where large buffers go to segments handed to the parent.
     """
+    if type(call) is _Unloadable:
+        error, call.error = call.error, None  # loky's call item holds the call meanwhile
+        assert error is not None
+        _raise_picklable(error)
+        raise error  # with its traceback from load_call
     (fn, args, kwargs), options, mapped, (token, lent) = call
     call.clear()
     try:
