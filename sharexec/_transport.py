@@ -183,18 +183,22 @@ class Transport:
         self.token = next(_tokens)  # by which results find self.loans (_wire.load_result)
         _wire.register(self.token, self.loans)
         self._context: bytes | None = None  # see context()
+        self._context_sweeper: tuple[bytes, int] | None = None  # the sweeper it names
 
     def number(self) -> int:
         """The next number: every task numbered below it was submitted before now."""
         return next(self._numbers)
 
     def context(self) -> bytes:
-        """What every call tells its worker about this executor, pickled once: the
-        options, the address of the session's sweeper (started if need be), and the
-        token by which results find this transport (see ``_worker.load_call``)."""
-        if self._context is None:
-            about = (self.options, _tracking.sweeper_address(), self.token)
+        """What every call tells its worker about this executor, pickled once (and again
+        when the root started a new sweeper): the options, the address of the session's
+        sweeper (started if need be) and its generation, and the token by which results
+        find this transport (see ``_worker.load_call``)."""
+        sweeper = _tracking.sweeper_address()
+        if self._context is None or sweeper != self._context_sweeper:
+            about = (self.options, sweeper, self.token)
             self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)
+            self._context_sweeper = sweeper
         return self._context
 
     def plain_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes | None:

@@ -43,13 +43,15 @@ from .errors import SegmentError
 __all__ = ["KeptMappings", "kept", "load_call", "run", "run_initializer"]
 
 
-def run_initializer(parent_pid: int, call: Any) -> None:
-    """Set up a new worker: it dies with its parent; then the user's initializer, if any.
+def run_initializer(parent_pid: int, call: Any, sweeper: _tracking.SweeperAddress) -> None:
+    """Set up a new worker: it dies with its parent, and what it creates is the session's
+    sweeper's to sweep; then the user's initializer, if any.
 
     ``call`` is None, the initializer's ``_transport.Task`` itself (fork: inherited, not
     pickled), or what that task's reduction rebuilt: ``[(fn, args, kwargs), options, ...]``.
     """
     _tracking.watch_parent(parent_pid)
+    sweeper.join()
     _loky.count_private_memory_only()
     if call is None:
         return
@@ -76,8 +78,10 @@ def load_call(
     ``lent``: the warm segments the parent lent for the result, (name, size);
     ``context``: what the executor tells each call, pickled once (see :func:`_context`).
     """
-    options, sweeper, token = _context(context)
-    _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
+    options, (sweeper, generation), token = _context(context)
+    # Segments this worker creates are the root's sweeper's to sweep: a new one if the
+    # root started one again.
+    _tracking.join_sweeper(sweeper, generation)
     holders: dict[str, Any] = {}
     kept.drop_unlinked()
     try:
@@ -104,12 +108,14 @@ class _Unloadable:
         self.error: Exception | None = error
 
 
-# The contexts of the calls this worker received, by their pickle (one per executor).
-_contexts: dict[bytes, tuple[Options, bytes, int]] = {}
+# The contexts of the calls this worker received, by their pickle (one per executor, and
+# per sweeper it started).
+_contexts: dict[bytes, tuple[Options, tuple[bytes, int], int]] = {}
 
 
-def _context(blob: bytes) -> tuple[Options, bytes, int]:
-    """The executor's options, its sweeper's address and its results' token."""
+def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
+    """The executor's options, its sweeper's address and generation, and its results'
+    token."""
     found = _contexts.get(blob)
     if found is None:
         if len(_contexts) >= 8:
@@ -150,18 +156,20 @@ def run(call: Any) -> Any:
     released = [name for name, ref in mapped if ref() is None]
     if mapped:
         kept.after_task(released)
+    lost = _tracking.sweeper_lost()  # the root restarts the sweeper if it is gone
     if is_plain(result):
-        if not mapped:  # nothing to tell the parent but the value
+        if not mapped and not lost:  # nothing to tell the parent but the value
             return result
-        return Reply(pickle.dumps(result, protocol=5), [], released, token)
+        return Reply(pickle.dumps(result, protocol=5), [], released, token, lost=lost)
     if "numpy" not in sys.modules:
         payload = _dumps_in_band(result, options)
         if payload is not None:
-            return Reply(payload, [], released, token)
+            return Reply(payload, [], released, token, lost=_tracking.sweeper_lost())
     from ._reduction import BackwardSink, dumps  # NumPy is needed (or loaded already)
 
     packed = dumps(result, BackwardSink(options, lent, kept.attach_lent))
-    return Reply(packed.payload, packed.buffers, released, token, packed.keep)
+    lost = _tracking.sweeper_lost()  # the pass may have created segments
+    return Reply(packed.payload, packed.buffers, released, token, packed.keep, lost)
 
 
 def _dumps_in_band(result: Any, options: Options) -> bytes | None:
