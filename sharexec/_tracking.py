@@ -517,6 +517,9 @@ class _Channel:
     def reach(self) -> tuple[bytes, int]:
         """The sweeper's address and its generation, after starting it if this process
         is the root (the address is made even if the start failed: tried again later)."""
+        address, line = self.address, self.line
+        if line is not None and address is not None:  # every task asks: no lock then
+            return address, self.generation
         with self.lock:
             self._flush()
             if self.address is None:  # could not start: an address for the next try
@@ -554,6 +557,7 @@ class _Channel:
         if self.sending:
             return  # a finalizer ran inside this thread's own call, which sends its line
         self.sending = True
+        reopened = False
         try:
             line = self._open()
             while self.outbox:
@@ -567,8 +571,12 @@ class _Channel:
                     if exc.errno not in _GONE:
                         continue  # a live sweeper missed these lines: keep the line
                     self._drop()  # the sweeper is gone: a new line, a new announcement
-                    self.outbox.append(data)  # after it: in order, whatever was lost
-                    line = self._open()
+                    if not reopened:  # once per call: a new line that breaks too, later
+                        reopened = True
+                        self.outbox.append(data)  # after it: in order, whatever was lost
+                        line = self._open()
+                    else:
+                        line = None
         finally:
             self.sending = False
 
