@@ -28,13 +28,15 @@ DEFAULT_MIN_SHARE_BYTES = 256 << 10
 # Warm memory, held on both sides of a transfer under the same bounds, so that neither
 # side keeps what the other has let go of (see docs/design.md, "Warm memory"):
 # - the parent's pool of warm segments holds at most WARM_BYTES (and a quarter of
-#   shared memory), and drops a segment unused for WARM_IDLE_SECONDS;
+#   shared memory) in at most WARM_SEGMENTS segments (each is a name in the folder and
+#   a mapping in the parent), and drops a segment unused for WARM_IDLE_SECONDS;
 # - a worker keeps at most WARM_BYTES and KEPT_MAPPINGS mappings of the segments its
 #   tasks received, and drops them all after WARM_IDLE_SECONDS without a task. A copy
 #   stays in the parent's pool at least as long as a worker may keep its mapping.
 WARM_BYTES = 1 << 30
 WARM_IDLE_SECONDS = 10.0
 KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look up per call
+WARM_SEGMENTS = KEPT_MAPPINGS  # as many as a worker keeps mapped: neither side keeps more
 
 
 @dataclass(frozen=True)

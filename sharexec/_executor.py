@@ -215,7 +215,9 @@ class SharedProcessPoolExecutor(LokyExecutor):
         self._init_task: Task | None = None
         if initializer is not None:
             self._init_task = Task(initializer, tuple(initargs), {}, self._transport)
-        initializer, initargs = run_initializer, (os.getpid(), self._init_task)
+        initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress())
+        initializer = run_initializer
+        self._sweeper_reached = False  # see submit
         super().__init__(
             max_workers=max_workers,
             context=context,
@@ -234,11 +236,20 @@ class SharedProcessPoolExecutor(LokyExecutor):
         # The future is ours from the start (not loky's, as its submit would make): the
         # task is complete before the feeder thread can pickle it, and no more objects
         # than loky's own are left for the garbage collector per pending call.
+        if not self._sweeper_reached:
+            # Before the first workers start: forked, they must know the sweeper's
+            # address (see run_initializer), and every call carries it anyway.
+            self._transport.context()
+            self._sweeper_reached = True
         task = Task(fn, args, kwargs, self._transport)
         future: _Future = _Future(task)
         self._enqueue(future, run, (task,))
         self._transport.counts.add("tasks_submitted")
         return future
+
+    def _workers_started(self, pids: list[int]) -> None:
+        # The sweeper ends them if they outlive this process (stopped, they cannot).
+        _tracking.workers_started(pids)
 
     def statistics(self) -> Statistics:
         """What this executor moved, and how: proof that sharing happens.

@@ -10,8 +10,9 @@ package sees the small surface below, with plain names:
   lines on loky's state: ``_flags``, ``_pending_work_items``, ``_work_ids``,
   ``_queue_count``, the manager thread's wake-up); the pool's state read through
   ``_pool_broken``, ``_pool_shut_down``, ``_pool_max_workers``, ``_pool_processes()`` and
-  ``_pending_futures()``;
-  and the two queue subclasses below, swapped in as loky creates its queues.
+  ``_pending_futures()``; the workers it starts, reported to ``_workers_started(pids)``
+  (loky's ``_adjust_process_count`` and ``_processes``); and the two queue subclasses
+  below, swapped in as loky creates its queues.
 * The queues, subclasses of loky's (:class:`_CallQueue`, :class:`_ResultQueue`): loky
   pickles every item it puts on a queue with a fresh cloudpickle pickler, whose set-up
   (a copied dispatch table) costs about 15 µs, more than the rest of a tiny task's trip
@@ -112,6 +113,7 @@ def _problems() -> list[str]:
             "ProcessPoolExecutor._setup_queues",
             "ProcessPoolExecutor._ensure_executor_running",
             "ProcessPoolExecutor._start_executor_manager_thread",
+            "ProcessPoolExecutor._adjust_process_count",
         ),
         *_assigns(
             pe,
@@ -126,6 +128,7 @@ def _problems() -> list[str]:
             "_processes",
             "_call_queue",
             "_result_queue",
+            "_processes",
         ),
         *_assigns(pe, "_ExecutorFlags", "broken", "shutdown", "shutdown_lock"),
         *_assigns(pe, "_WorkItem", "future"),
@@ -143,6 +146,8 @@ def _problems() -> list[str]:
         *_uses(
             pe, "ProcessPoolExecutor._ensure_executor_running", "_start_executor_manager_thread"
         ),
+        *_uses(pe, "ProcessPoolExecutor._ensure_executor_running", "_adjust_process_count"),
+        *_uses(pe, "_ExecutorManagerThread.process_result_item", "_adjust_process_count"),
         # The queues: loky's, multiprocessing's feeder rebuilt, recycling.
         *_has(pe, "_SafeQueue._on_queue_feeder_error", "_CallItem", "_ResultItem"),
         *_has(pe, "_RecycledWorkerPid", "_SafeQueue.__getstate__", "_SafeQueue.__setstate__"),
@@ -388,6 +393,18 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         self._call_queue.__class__ = _CallQueue
         self._call_queue.max_tasks = self._max_tasks_per_child
         self._result_queue.__class__ = _ResultQueue
+
+    def _adjust_process_count(self) -> None:
+        # loky starts workers here (at a submit, or in its manager thread to replace
+        # recycled ones), and lists them in _processes by pid.
+        before = set(self._processes)
+        super()._adjust_process_count()
+        started = [pid for pid in self._processes if pid not in before]
+        if started:
+            self._workers_started(started)
+
+    def _workers_started(self, pids: list[int]) -> None:
+        """Hook: loky started these worker processes."""
 
     def _start_executor_manager_thread(self) -> None:
         super()._start_executor_manager_thread()

@@ -45,7 +45,7 @@ import cloudpickle
 import numpy as np
 
 from . import _segments, _tracking, _wire
-from ._config import WARM_BYTES, WARM_IDLE_SECONDS, Options
+from ._config import WARM_BYTES, WARM_IDLE_SECONDS, WARM_SEGMENTS, Options
 from ._reduction import Packed, Sink, argument_owner, dumps
 from ._segments import Mapping
 from ._wire import BufferRef, Delivered, is_plain, load_function
@@ -183,18 +183,22 @@ class Transport:
         self.token = next(_tokens)  # by which results find self.loans (_wire.load_result)
         _wire.register(self.token, self.loans)
         self._context: bytes | None = None  # see context()
+        self._context_sweeper: tuple[bytes, int] | None = None  # the sweeper it names
 
     def number(self) -> int:
         """The next number: every task numbered below it was submitted before now."""
         return next(self._numbers)
 
     def context(self) -> bytes:
-        """What every call tells its worker about this executor, pickled once: the
-        options, the address of the session's sweeper (started if need be), and the
-        token by which results find this transport (see ``_worker.load_call``)."""
-        if self._context is None:
-            about = (self.options, _tracking.sweeper_address(), self.token)
+        """What every call tells its worker about this executor, pickled once (and again
+        when the root started a new sweeper): the options, the address of the session's
+        sweeper (started if need be) and its generation, and the token by which results
+        find this transport (see ``_worker.load_call``)."""
+        sweeper = _tracking.sweeper_address()
+        if self._context is None or sweeper != self._context_sweeper:
+            about = (self.options, sweeper, self.token)
             self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)
+            self._context_sweeper = sweeper
         return self._context
 
     def plain_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes | None:
@@ -585,18 +589,22 @@ class SegmentPool:
     """Segments no task holds and no worker maps any more, whose pages are already
     faulted in: a memcpy into them runs ~10x faster than into fresh shared pages.
 
-    Bounded in bytes (``limit``) and in age (``WARM_IDLE_SECONDS``): a timer trims it
-    while it holds anything, so an idle executor does not keep its warm segments. A
-    segment dropped from the pool is unlinked (its handle is collected). Once closed
-    (the executor shut down), nothing comes in any more.
+    Bounded in bytes (``limit``), in count (``count``: each pooled segment is a name in
+    the shared-memory folder and a mapping here) and in age (``WARM_IDLE_SECONDS``): a
+    timer trims it while it holds anything, so an idle executor does not keep its warm
+    segments. A segment dropped from the pool is unlinked (its handle is collected).
+    Once closed (the executor shut down), nothing comes in any more.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, count: int = WARM_SEGMENTS) -> None:
         self._limit = limit
+        self._count = count
         self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
         _pools.add(self)
-        # Oldest first, with the time each came in, e.g. [(<Mapping>, 5012.5)].
+        # Oldest first, with the time each came in, e.g. [(<Mapping>, 5012.5)], and
+        # their total size in bytes, e.g. 8000000.
         self._pool: list[tuple[Mapping, float]] = []
+        self._bytes = 0
         self._closed = False
         self._trimmer: threading.Timer | None = None  # trims the pool once idle
 
@@ -605,6 +613,7 @@ class SegmentPool:
         with self._lock:
             if not self._closed:
                 self._pool.append((mapping, time.monotonic()))
+                self._bytes += len(mapping)
                 self._trim()
 
     def take(self, size: int) -> Mapping | None:
@@ -616,12 +625,18 @@ class SegmentPool:
                 return None
             entry = min(fits, key=lambda e: len(e[0]))
             self._pool.remove(entry)
+            self._bytes -= len(entry[0])
         return entry[0]
 
     def remove(self, mapping: Mapping) -> None:
         """Take ``mapping`` out of the pool, if it is there."""
         with self._lock:
             self._pool = [e for e in self._pool if e[0] is not mapping]
+            self._bytes = sum(len(m) for m, _ in self._pool)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pool)
 
     def names(self) -> list[str]:
         """Names of the segments in the pool."""
@@ -638,16 +653,19 @@ class SegmentPool:
         with self._lock:
             self._closed = True
             self._pool = []
+            self._bytes = 0
             if self._trimmer is not None:
                 self._trimmer.cancel()
                 self._trimmer = None
 
     def _trim(self) -> None:
-        """Drop pooled segments idle too long, or beyond the byte limit (lock held)."""
+        """Drop pooled segments idle too long, or beyond the limits (lock held)."""
         old = time.monotonic() - WARM_IDLE_SECONDS
-        self._pool = [(m, t) for m, t in self._pool if t >= old]
-        while sum(len(m) for m, _ in self._pool) > self._limit:
-            self._pool.pop(0)
+        if self._pool and self._pool[0][1] < old:  # oldest first: any to drop is in front
+            self._pool = [(m, t) for m, t in self._pool if t >= old]
+            self._bytes = sum(len(m) for m, _ in self._pool)
+        while self._pool and (self._bytes > self._limit or len(self._pool) > self._count):
+            self._bytes -= len(self._pool.pop(0)[0])
         if self._pool and self._trimmer is None and not self._closed:
             self._trimmer = threading.Timer(WARM_IDLE_SECONDS, self._trim_later)
             self._trimmer.daemon = True

@@ -459,6 +459,23 @@ class TestRoundTripProperty:
         assert a.flags.writeable == writeable
 
 
+def test_many_buffers_in_one_call(start_method, no_leaks):
+    """One call with 20,000 small arrays, each shared (min_share_bytes of 2 KiB), and
+    views of them inside the bytes already copied: every one comes back exact. The pass
+    stays linear in its buffers (it was quadratic: bench/many_buffers.py)."""
+    rng = np.random.default_rng(17)
+    arrays = list(rng.random((20_000, 512)))  # rows of 4 KiB
+    views = [a[10:500] for a in arrays[::1000]]  # inside copied bytes: sent from them
+    with sharexec.SharedProcessPoolExecutor(
+        2, mp_context=start_method, min_share_bytes=2048
+    ) as ex:
+        sums = ex.submit(workers.sums, arrays + views).result()
+        stats = ex.statistics()
+    np.testing.assert_array_equal(sums, [a.sum() for a in arrays + views])
+    assert stats.bytes_copied == 20_000 * 4096
+    assert stats.bytes_reused == len(views) * 490 * 8
+
+
 # ---------------------------------------------------------------------------------------
 # Over 4 GiB
 # ---------------------------------------------------------------------------------------
