@@ -1,7 +1,7 @@
 """Development sessions: ``nox`` runs tests, lint, typecheck and docs; ``nox -s demo`` the demo,
 ``nox -s clients`` the tests with real third-party clients (scipy, dask), ``nox -s matrix``
 the tests on every supported Python and on the oldest dependencies, ``nox -s compat``
-runs CPython's own ProcessPoolExecutor tests against ours.
+CPython's own ProcessPoolExecutor tests against ours.
 
 Each session installs what it needs into its own virtual environment (made with the
 standard library's ``venv``, so neither uv nor virtualenv is required) under the Python
@@ -207,18 +207,45 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/run.py", *session.posargs)
 
 
-@nox.session(python="3.11", default=False)
-def compat(session: nox.Session) -> None:
-    """Run CPython 3.11's own ProcessPoolExecutor tests against SharedProcessPoolExecutor.
+# The Pythons whose own test_concurrent_futures nox -s compat runs.
+COMPAT_PYTHONS = ["3.11", "3.13"]
 
-    ``tests/compat/run_cpython_suite.py``: the fork, forkserver and spawn variants of
-    ``test_concurrent_futures``, fetched at run time from Debian's libpython3.11-testsuite
-    (apt-get) into ``.cache/cpython-tests/``. Under Python 3.11 whatever runs nox, since the
-    suite is 3.11's; not a default session. Fails only if a test of public behaviour fails;
-    e.g. ``nox -s compat -- -k test_traceback --tracebacks``.
+
+def _compat_on(version: str) -> None:
+    """Define the session ``compat-<version>``."""
+
+    def run(session: nox.Session) -> None:
+        session.install(".")
+        session.run("python", "tests/compat/run_cpython_suite.py", *session.posargs)
+
+    where = (
+        "the suite fetched at run time from Debian's libpython3.11-testsuite (apt-get) "
+        "into ``.cache/cpython-tests/``"
+        if version == "3.11"
+        else f"the package ``test.test_concurrent_futures`` that Python {version} ships"
+    )
+    run.__doc__ = (
+        f"Run CPython {version}'s own ProcessPoolExecutor tests against ours.\n\n"
+        f"``tests/compat/run_cpython_suite.py`` under Python {version}, with {where}."
+    )
+    nox.session(run, name=f"compat-{version}", python=_python(version), default=False)
+
+
+for _version in COMPAT_PYTHONS:
+    _compat_on(_version)
+
+
+@nox.session(python=False, requires=[f"compat-{v}" for v in COMPAT_PYTHONS], default=False)
+def compat(session: nox.Session) -> None:
+    """Run CPython 3.11's and 3.13's own ProcessPoolExecutor tests against ours.
+
+    ``tests/compat/run_cpython_suite.py``, in ``compat-3.11`` and ``compat-3.13``: the
+    fork, forkserver and spawn variants of each Python's ``test_concurrent_futures``,
+    under that Python (3.11's from Debian's libpython3.11-testsuite, via apt-get; 3.13's
+    as pyenv's Python ships it). Not a default session. Each fails only if a test of
+    public behaviour fails; e.g. ``nox -s compat -- -k test_traceback --tracebacks``.
     """
-    session.install(".")
-    session.run("python", "tests/compat/run_cpython_suite.py", *session.posargs)
+    session.log("CPython's own ProcessPoolExecutor tests, public behaviour: passed")
 
 
 # The fault suite of issue 4: what docs/reliability.md reports.
