@@ -330,7 +330,8 @@ class SharedProcessPoolExecutor(LokyExecutor):
         return _flatten(_results(self, partial(run_chunk, fn), chunks, timeout, buffersize))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Free the workers and, with ``wait``, the segments of the executor.
+        """Free the workers and the segments of the executor (without ``wait``, those of
+        the calls still pending as each is done).
 
         As :meth:`concurrent.futures.Executor.shutdown`: with ``cancel_futures``, the
         calls not yet started are cancelled.
@@ -340,8 +341,35 @@ class SharedProcessPoolExecutor(LokyExecutor):
                 future.cancel()
         super().shutdown(wait=wait)
         self._transport.close()
-        if wait and self._init_task is not None:
-            self._init_task.release()
+        if self._init_task is not None:
+            if wait:
+                self._init_task.release()
+            else:
+                self._release_init_task_when_done(self._pending_futures())
+
+    def _release_init_task_when_done(self, pending: list[Future[Any]]) -> None:
+        """Release the initializer's call (its copies) once these calls are done.
+
+        Shut down, the pool starts a worker (which needs it) only to replace one while
+        calls are pending: none is, after the last of them. Not before: that would keep
+        its copies in /dev/shm for as long as this object lives.
+        """
+        task = self._init_task
+        assert task is not None
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                task.release()
+
+        if not pending:
+            task.release()
+        for future in pending:
+            future.add_done_callback(one_done)  # at once if it is done already
 
     def terminate_workers(self) -> None:
         """Terminate every live worker now (SIGTERM), and shut the executor down.

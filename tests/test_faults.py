@@ -708,9 +708,12 @@ def test_out_of_descriptors_falls_back_to_pickling(start_method, tmp_path):
     proc = run_scenario(
         tmp_path,
         """
+        import resource
         import warnings
 
         if __name__ == "__main__":
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))  # quick to fill
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
@@ -743,8 +746,9 @@ def test_out_of_descriptors_falls_back_to_pickling(start_method, tmp_path):
 
 def test_shutdown_without_waiting_keeps_no_copy(start_method, no_leaks):
     """``shutdown(wait=False)`` while tasks with large arguments run or wait: the pool is
-    emptied at once, and once the tasks are done no copy of theirs is left in /dev/shm,
-    while the executor object lives on (the closed pool refuses what comes back)."""
+    emptied at once, and once the tasks are done no copy of theirs (nor of the
+    initializer's argument) is left in /dev/shm, while the executor object lives on (the
+    closed pool refuses what comes back)."""
     import gc
     from multiprocessing import get_context
 
@@ -752,7 +756,12 @@ def test_shutdown_without_waiting_keeps_no_copy(start_method, no_leaks):
     import workers
 
     before = segments_now()
-    ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+    ex = sharexec.SharedProcessPoolExecutor(
+        2,
+        mp_context=start_method,
+        initializer=workers.hold_nothing,  # its large argument is copied for each worker
+        initargs=(np.ones(300_000),),
+    )
     try:
         with get_context("spawn").Manager() as manager:
             started, go = manager.Event(), manager.Event()
@@ -763,6 +772,9 @@ def test_shutdown_without_waiting_keeps_no_copy(start_method, no_leaks):
                 for i in range(4)
             ]
             assert started.wait(60)
+            # loky forgets its manager thread at any shutdown: a later shutdown(wait=True)
+            # would not wait for the workers, so the test joins it (it joins them).
+            manager_thread = ex._executor_manager_thread
             ex.shutdown(wait=False)
             assert not ex._transport.pooled()
             go.set()
@@ -770,5 +782,6 @@ def test_shutdown_without_waiting_keeps_no_copy(start_method, no_leaks):
         gc.collect()
         assert ex._transport.pooled() == []
         assert_none_left(segments_now() - before)
+        manager_thread.join(60)
     finally:
         ex.shutdown(wait=True)
