@@ -401,8 +401,6 @@ class SharedProcessPoolExecutor(LokyExecutor):
                     os.kill(process.pid, signum)  # loky's processes have no kill()
             except (ValueError, ProcessLookupError):  # closed, or gone meanwhile
                 continue
-        if self._init_task is not None:
-            self._init_task.release()  # no worker will start again to need it
 
 
 def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
