@@ -34,7 +34,9 @@ Isolation and time
     Each test class (one per start method) runs in a child process of its own session,
     one test at a time under ``faulthandler.dump_traceback_later(timeout, exit=True)``: a
     test that hangs is dumped, counted as an error, and its class goes on in a new child
-    from the next test. Whatever a child leaves behind in its process group is killed and
+    from the next test (as it does when a child dies between two tests). As regrtest
+    does, a test that leaves ``sys.stdout`` or ``sys.stderr`` replaced has them put back
+    before the next one. Whatever a child leaves behind in its process group is killed and
     reported. Once the run's budget is spent no test is started: the rest count as errors.
 
 Public and private
@@ -517,6 +519,13 @@ def child_run(
 
     module = load_suite(overlay, mode)
     out = events.open("a", buffering=1)
+    # The watchdog writes to the real stderr (the log), whatever a test does to sys.stderr:
+    # 3.11's _raise_error_ignore_stderr, unpickled in the parent by
+    # test_error_during_result_unpickle_in_result_handler, replaces it for good when the
+    # result arrives before the test's captured_stderr() begins (a race the load on the
+    # machine decides), and dump_traceback_later() then fails: sys.stderr has no fileno.
+    watchdog = sys.__stderr__
+    streams = sys.stdout, sys.stderr
 
     def emit(**event: Any) -> None:
         event["time"] = time.time()
@@ -553,12 +562,13 @@ def child_run(
             super().startTest(test)
             emit(event="start", test=self._id(test))
             # A hung test: dump every thread's traceback into the log and exit (code 1).
-            faulthandler.dump_traceback_later(timeout, exit=True)
+            faulthandler.dump_traceback_later(timeout, exit=True, file=watchdog)
 
         def stopTest(self, test: Any) -> None:
             # Until the next test starts, the same limit holds for the class and module
             # fixtures (tearDownClass, tearDownModule and its cleanups).
-            faulthandler.dump_traceback_later(timeout, exit=True)
+            faulthandler.dump_traceback_later(timeout, exit=True, file=watchdog)
+            sys.stdout, sys.stderr = streams
             super().stopTest(test)
             if time.time() > deadline:
                 self.stop()  # the run's budget is spent: start nothing more
@@ -592,7 +602,7 @@ def child_run(
     emit(event="done")
     out.close()
     # What is left (joining threads and workers, atexit hooks) has EXIT_TIMEOUT to finish.
-    faulthandler.dump_traceback_later(EXIT_TIMEOUT, exit=True)
+    faulthandler.dump_traceback_later(EXIT_TIMEOUT, exit=True, file=watchdog)
 
 
 # ---------------------------------------------------------------------------------------
@@ -713,10 +723,16 @@ class Run:
                 output = log_file.read().decode(errors="replace")  # this child's
             started, finished, done = self._read_events(events_path)
             hung = [t for t in started if t not in finished]
+            rest = [t for t in pending if t not in set(started)]
             if hung:
                 self._record_hang(hung[0], child.returncode, killed, output)
             elif started and (killed or child.returncode != 0):
-                where = "at exit" if done else "in the class or module teardown"
+                if done:
+                    where = "at exit"
+                elif rest:  # between two tests: the rest goes on in a new child
+                    where = f"before its next test, {rest[0]}"
+                else:
+                    where = "in the class or module teardown"
                 if killed:
                     how = "was silent too long and was killed"
                 elif "Timeout (" in output and child.returncode == 1:
@@ -726,7 +742,6 @@ class Run:
                 self.fixture_errors.append(
                     f"{cls}: after its last test, the child {how} {where} (see {log_path})"
                 )
-            rest = [t for t in pending if t not in set(started)]
             if not started and child.returncode != 0:
                 tail = output.strip().splitlines()[-15:]
                 for test in rest:
@@ -736,9 +751,9 @@ class Run:
                         "\n".join(tail),
                     )
                 return
-            if not hung:
+            if not hung and (done or not rest):
                 return  # finished, or stopped at the deadline
-            pending = rest
+            pending = rest  # after a hang, or a child that died between two tests
 
     def _watch(self, child: subprocess.Popen[bytes], events_path: Path) -> bool:
         """Wait for ``child``; kill its group if it is silent too long. Return if killed.
