@@ -57,11 +57,12 @@ from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from . import _tracking
+from ._batching import Batching
 from ._config import Options
 from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, RebuildFailure
-from ._worker import run, run_chunk, run_initializer
+from ._worker import run, run_batch, run_chunk, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
@@ -132,6 +133,13 @@ class Statistics:
     tasks_submitted, tasks_done : int
         Calls submitted, and calls whose future is done (result, exception or
         cancelled).
+    tasks_batched : int
+        Calls that went to a worker together with others, in one message (see *How it
+        works*, "Many small calls"): queued calls of functions measured short. Zero
+        with ``batching=False``.
+    batches : int
+        The messages those calls went in: ``tasks_batched / batches`` calls each, on
+        average.
     """
 
     segments_live: int
@@ -144,6 +152,8 @@ class Statistics:
     fallbacks: int
     tasks_submitted: int
     tasks_done: int
+    tasks_batched: int
+    batches: int
 
 
 class SharedProcessPoolExecutor(LokyExecutor):
@@ -176,8 +186,10 @@ class SharedProcessPoolExecutor(LokyExecutor):
         sharexec options: ``min_share_bytes`` (buffers at least this large go through
         shared memory; default 256 KiB, or ``SHAREXEC_MIN_SHARE_BYTES``) and
         ``temp_folder`` (where segments spill when shared memory is full; default the
-        system's temporary folder, or ``SHAREXEC_TEMP_FOLDER``). An unknown option is a
-        :class:`~sharexec.ConfigError`.
+        system's temporary folder, or ``SHAREXEC_TEMP_FOLDER``) and ``batching``
+        (default True, or ``SHAREXEC_BATCHING``: queued calls of functions measured
+        short go to a worker several in one message; each still gets its own future,
+        result and exception). An unknown option is a :class:`~sharexec.ConfigError`.
     """
 
     _worker_env: dict[str, str] | None = None  # the workers' environment (loky's method)
@@ -218,6 +230,13 @@ class SharedProcessPoolExecutor(LokyExecutor):
         initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress())
         initializer = run_initializer
         self._sweeper_reached = False  # see submit
+        workers = cpu_count() if max_workers is None else max_workers
+        # Queued calls of functions measured short travel together (see _batching);
+        # not with max_tasks_per_child, which counts what a worker takes.
+        batching = None
+        if self._options.batching and max_tasks_per_child is None and workers > 0:
+            batching = Batching(self._transport, workers, run, run_batch)
+        self._batching = batching
         super().__init__(
             max_workers=max_workers,
             context=context,
@@ -225,6 +244,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
             initargs=initargs,
             env=self._worker_env,
             max_tasks_per_child=max_tasks_per_child,
+            batching=batching,
         )
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -243,8 +263,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
             self._sweeper_reached = True
         task = Task(fn, args, kwargs, self._transport)
         future: _Future = _Future(task)
-        self._enqueue(future, run, (task,))
-        self._transport.counts.add("tasks_submitted")
+        self._enqueue(future, run, (task,))  # counted there (statistics: _pool_submitted)
         return future
 
     def _workers_started(self, pids: list[int]) -> None:
@@ -274,8 +293,10 @@ class SharedProcessPoolExecutor(LokyExecutor):
             bytes_reused=counts["bytes_reused"],
             bytes_by_reference=counts["bytes_by_reference"],
             fallbacks=counts["fallbacks"],
-            tasks_submitted=counts["tasks_submitted"],
+            tasks_submitted=self._pool_submitted,
             tasks_done=counts["tasks_done"],
+            tasks_batched=counts["tasks_batched"],
+            batches=counts["batches"],
         )
 
     def map(

@@ -40,7 +40,16 @@ from ._segments import Mapping
 from ._wire import BufferRef, Pickler, Reply, is_plain, loads
 from .errors import SegmentError
 
-__all__ = ["KeptMappings", "kept", "load_call", "run", "run_chunk", "run_initializer"]
+__all__ = [
+    "KeptMappings",
+    "kept",
+    "load_batch",
+    "load_call",
+    "run",
+    "run_batch",
+    "run_chunk",
+    "run_initializer",
+]
 
 
 def run_initializer(parent_pid: int, call: Any, sweeper: _tracking.SweeperAddress) -> None:
@@ -125,9 +134,38 @@ def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
 
 
 def run(call: Any) -> Any:
-    """Run a call in the worker and pack its result for the way back.
+    """Run a call in the worker and pack its result for the way back (:func:`_pack`).
 
-    The result takes the cheapest road that is still exact:
+    How long the function ran is noted for the parent (``_loky.note_run_seconds``),
+    which batches calls of functions measured short (``_batching``).
+    """
+    if type(call) is _Unloadable:
+        error, call.error = call.error, None  # loky's call item holds the call meanwhile
+        assert error is not None
+        _raise_picklable(error)
+        raise error  # with its traceback from load_call
+    (fn, args, kwargs), options, mapped, (token, lent) = call
+    call.clear()
+    start = time.perf_counter()
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as exc:
+        _raise_picklable(exc)
+        raise
+    finally:
+        _loky.note_run_seconds(time.perf_counter() - start)
+    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
+    return _pack(result, options, mapped, token, lent)
+
+
+def _pack(
+    result: Any,
+    options: Options,
+    mapped: list[tuple[str, weakref.ref[Any]]],
+    token: int,
+    lent: list[tuple[str, int]],
+) -> Any:
+    """A call's result, for the way back; the cheapest road that is still exact:
 
     * a plain value (``None``, a number, a string, bytes; or a short tuple or list of
       them) holds no buffer: it is returned as it is for loky to pickle, if the call
@@ -138,19 +176,6 @@ def run(call: Any) -> Any:
     * anything else: the backward pass of :mod:`sharexec._reduction` (which imports
       NumPy), where large buffers go to segments handed to the parent.
     """
-    if type(call) is _Unloadable:
-        error, call.error = call.error, None  # loky's call item holds the call meanwhile
-        assert error is not None
-        _raise_picklable(error)
-        raise error  # with its traceback from load_call
-    (fn, args, kwargs), options, mapped, (token, lent) = call
-    call.clear()
-    try:
-        result = fn(*args, **kwargs)
-    except Exception as exc:
-        _raise_picklable(exc)
-        raise
-    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
     # The argument copies no view of this task holds any more: the parent may reuse them
     # (kept mappings show whatever the parent writes there, see KeptMappings).
     released = [name for name, ref in mapped if ref() is None]
@@ -170,6 +195,60 @@ def run(call: Any) -> Any:
     packed = dumps(result, BackwardSink(options, lent, kept.attach_lent))
     lost = _tracking.sweeper_lost()  # the pass may have created segments
     return Reply(packed.payload, packed.buffers, released, token, packed.keep, lost)
+
+
+# ---------------------------------------------------------------------------------------
+# Several calls in one message
+# ---------------------------------------------------------------------------------------
+
+
+def load_batch(ids: list[int], context: bytes, functions: bytes, entries: list[Any]) -> Any:
+    """Rebuild a batch of calls in the worker (``Transport.reduce_batch``): ``entries``
+    are ``(function index, args, kwargs)`` for calls of plain arguments, whose functions
+    are pickled once in ``functions``, and what :func:`load_call` rebuilt for the others.
+    """
+    options, (sweeper, generation), token = _context(context)
+    _tracking.join_sweeper(sweeper, generation)
+    try:
+        loaded: Any = pickle.loads(functions)
+    except Exception as exc:  # each call of these functions fails with it, alone
+        loaded = exc
+    return [ids, options, token, loaded, entries]
+
+
+def run_batch(batch: Any) -> _loky.BatchOutcome:
+    """Run a batch's calls in order, each with its own outcome and run time: a call that
+    raises fails alone, and the next one runs."""
+    ids, options, token, functions, entries = batch
+    batch.clear()
+    outcome = _loky.BatchOutcome()
+    clock = time.perf_counter
+    for at, work_id in enumerate(ids):
+        entry, entries[at] = entries[at], None  # dropped as soon as it ran
+        start = clock()
+        try:
+            if type(entry) is not tuple:
+                value = run(entry)
+            else:
+                index, args, kwargs = entry
+                del entry
+                if isinstance(functions, BaseException):
+                    raise functions.with_traceback(functions.__traceback__)
+                try:
+                    result = functions[index](*args, **(kwargs or {}))
+                except Exception as exc:
+                    _raise_picklable(exc)
+                    raise
+                del args, kwargs
+                value = _pack(result, options, [], token, [])
+                del result
+        except BaseException as exc:
+            outcome.add_failure(work_id, exc, clock() - start)
+            del exc
+        else:
+            outcome.add(work_id, value, clock() - start)
+            del value
+    return outcome
 
 
 def run_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:
