@@ -91,7 +91,10 @@ class Batching:
         task = args[0]
         if type(task) is not Task or task.fn is None:
             return None
-        seconds = self._seconds.get(_key(task.fn))
+        key = task.key
+        if key is None:
+            key = task.key = _key(task.fn)
+        seconds = self._seconds.get(key)
         if seconds is None or seconds > SHORT_SECONDS:
             return None
         return seconds + PER_CALL_SECONDS
@@ -105,10 +108,12 @@ class Batching:
         """A queued call ran ``seconds`` in its worker."""
         if fn is not self._run or type(args[0]) is not Task:
             return
-        call = args[0].fn
-        if call is None:
-            return
-        key = _key(call)
+        task = args[0]
+        key = task.key
+        if key is None:
+            if task.fn is None:
+                return
+            key = task.key = _key(task.fn)
         table = self._seconds
         old = table.get(key)
         if old is None:

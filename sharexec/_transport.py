@@ -76,6 +76,7 @@ class Task:
         "fn",
         "function",
         "keep",
+        "key",
         "kwargs",
         "lent",
         "number",
@@ -101,6 +102,7 @@ class Task:
         self.copies: Sequence[Mapping] = ()  # those of them that are argument copies
         self.function: tuple[str, str] | None = None  # whose last results size what is lent
         self.lent: Sequence[Mapping] = ()  # warm segments lent for the result
+        self.key: tuple[Any, ...] | None = None  # whose run times it counts in (_batching)
 
     def __reduce__(self) -> Any:
         fn, args, kwargs = self.fn, self.args, self.kwargs or {}

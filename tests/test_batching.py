@@ -129,8 +129,12 @@ def test_shutdown_cancel_futures_with_batches_queued(start_method, no_leaks):
     with held(ex):
         futures = [ex.submit(workers.add, i, 1) for i in range(3000)]
         # Batches wait in the call queue (running, as the stdlib's queued calls), the
-        # rest is queued: cancelled.
-        ex.shutdown(wait=False, cancel_futures=True)
+        # rest is queued: cancelled. The shutdown waits for the blockers: from a thread.
+        shutting = threading.Thread(target=ex.shutdown, kwargs={"cancel_futures": True})
+        shutting.start()
+        wait(futures[-1:], timeout=60)  # cancelled by now
+    shutting.join(60)
+    assert not shutting.is_alive()
     wait(futures, timeout=60)
     cancelled = [f for f in futures if f.cancelled()]
     ran = [(i, f) for i, f in enumerate(futures) if not f.cancelled()]
@@ -140,7 +144,6 @@ def test_shutdown_cancel_futures_with_batches_queued(start_method, no_leaks):
     assert ex.statistics().tasks_batched > 0
     with pytest.raises(CancelledError):
         cancelled[-1].result()
-    ex.shutdown(wait=True)
 
 
 # ---------------------------------------------------------------------------------------
