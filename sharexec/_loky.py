@@ -154,6 +154,8 @@ def _problems() -> list[str]:
         *_uses(pe, "_ExecutorManagerThread._run_loop", "add_call_item_to_queue"),
         *_uses(pe, "_ExecutorManagerThread._run_loop", "process_result_item"),
         *_uses(pe, "_ExecutorManagerThread.wait_result_broken_or_wakeup", "clear"),
+        *_uses(pe, "_ExecutorManagerThread._run_loop", "wait_result_broken_or_wakeup"),
+        *_assigns(pe, "_ExecutorManagerThread", "thread_wakeup"),
         *_takes(pe, "_ExceptionWithTraceback.__init__", "self", "exc"),
         *_takes(pe, "_WorkItem.__init__", "self", "future", "fn", "args", "kwargs"),
         *_takes(
@@ -381,7 +383,7 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         self._executor_manager_thread_wakeup.__class__ = _CoalescedWakeup
         self._work_ids = _WorkIds()
 
-    def _enqueue(self, future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def _enqueue(self, future: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Queue the call ``fn(*args)``, whose outcome ``future`` will receive.
 
         As loky's ``submit``, with the caller's future: raises the error that broke the
@@ -401,7 +403,7 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             self._pending_work_items[work_id] = work_item
             self._work_ids.put(work_id)
             self._queue_count = work_id + 1
-            self._executor_manager_thread_wakeup.wakeup()  # it queues the call for a worker
+            self._executor_manager_thread_wakeup.wakeup_for_call()  # unless it is awake
             # loky takes a process lock here at every call; only needed while the pool
             # is short of workers or has no manager thread (the manager itself replaces
             # a worker that leaves while calls are pending).
@@ -466,7 +468,7 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         started = self._executor_manager_thread is None
         super()._start_executor_manager_thread()
         thread = self._executor_manager_thread
-        if started and self._batching is not None:
+        if started:
             # Our manager from its next step on (its state set before its class: the
             # steps of _Manager read it). Until then it runs loky's steps: it sends
             # calls one by one, which a batch's outcome never needs to follow.
@@ -578,11 +580,19 @@ class _CoalescedWakeup(process_executor._ThreadWakeup):  # type: ignore[misc]
     """
 
     _pending = False
+    # Whether the manager thread is awake and will look at the queued calls before it
+    # next waits (set by _Manager): then a call queued needs no wake-up at all.
+    awake = False
 
     def wakeup(self) -> None:
         if not self._pending:
             self._pending = True
             super().wakeup()
+
+    def wakeup_for_call(self) -> None:
+        """A call was queued: wake the manager unless it is awake."""
+        if not self.awake:
+            self.wakeup()
 
     def clear(self) -> None:
         super().clear()
@@ -631,8 +641,22 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
     measured run time to the policy.
     """
 
-    policy: BatchPolicy
+    policy: BatchPolicy | None  # None: every call goes alone
     carry: int | None  # a work id taken but not sent: it goes first in the next step
+
+    def wait_result_broken_or_wakeup(self) -> Any:
+        # While this thread is awake, a submit does not write its wake-up (a system call
+        # and a thread switch per call): this thread looks at the queue before it waits.
+        # Marked asleep first, then that look: a call queued before the mark is seen
+        # here, one queued after it writes.
+        wakeup = self.thread_wakeup
+        wakeup.awake = False
+        if self.work_ids_queue.qsize() and not self.call_queue.full():
+            wakeup.wakeup()
+        try:
+            return super().wait_result_broken_or_wakeup()
+        finally:
+            wakeup.awake = True
 
     def add_call_item_to_queue(self) -> None:
         pending = self.pending_work_items
@@ -658,20 +682,24 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
                 )
             else:
                 ids = [work_id, *(i for i, _ in members)]
+                policy = self.policy
+                assert policy is not None  # _gather batches only with a policy
                 calls = [(work_item.fn, work_item.args)]
                 calls += [(item.fn, item.args) for _, item in members]
                 self.running_work_items.extend(ids)
-                batch = CallBatch(ids, calls, self.policy)
+                batch = CallBatch(ids, calls, policy)
                 call = process_executor._CallItem(
-                    work_id, self.policy.run_batch, (batch,), _NO_KEYWORDS
+                    work_id, policy.run_batch, (batch,), _NO_KEYWORDS
                 )
-                self.policy.batched(len(ids))
+                policy.batched(len(ids))
             self.call_queue.put(call, block=True)
 
     def _gather(self, work_id: int, work_item: Any) -> list[tuple[int, Any]] | None:
         """The calls queued after ``work_item`` that go with it (marked running), or
         None if it goes alone."""
         policy = self.policy
+        if policy is None:
+            return None
         cost = policy.cost(work_item.fn, work_item.args)
         if cost is None:
             return None
@@ -709,7 +737,7 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
             self._complete(outcome)
             return
         seconds = getattr(result_item, "seconds", None)
-        if seconds is not None:
+        if seconds is not None and self.policy is not None:
             work_item = self.pending_work_items.get(result_item.work_id)
             if work_item is not None:
                 self.policy.measured(work_item.fn, work_item.args, seconds)
@@ -718,6 +746,7 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
     def _complete(self, outcome: BatchOutcome) -> None:
         """Complete each call of a batch, in order, with its own result or exception."""
         pending = self.pending_work_items
+        assert self.policy is not None  # a batch was sent
         measured = self.policy.measured
         done = set()
         for work_id, failed, value, seconds in outcome:
