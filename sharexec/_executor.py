@@ -578,6 +578,8 @@ class _Slot:
         self._finish(None, exception)
 
     def cancel(self) -> bool:
+        if self._state >= _DONE:  # final: no lock needed (map cancels each after use)
+            return self._state == _CANCELLED
         with self._run.condition:
             if self._state != _PENDING:
                 return self._state == _CANCELLED
