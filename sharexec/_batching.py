@@ -134,10 +134,6 @@ class Batching:
         tasks = [args[0] for _, args in batch.calls]
         return self._transport.reduce_batch(batch.ids, tasks)
 
-    def estimate(self, fn: Callable[..., Any]) -> float | None:
-        """The current estimate of ``fn``'s run time in seconds, if measured."""
-        return self._seconds.get(_key(fn))
-
 
 def _key(fn: Any) -> tuple[Any, ...]:
     """What a function's run times are kept under."""

@@ -943,9 +943,12 @@ class _ResultQueue(loky_queues.SimpleQueue):  # type: ignore[misc]
             else:
                 data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
+            # Each call fails with the reason, in words: the error itself may be what
+            # could not be pickled.
+            reason = RuntimeError(f"the results of a batch could not be sent back: {exc!r}")
             failed = BatchOutcome()
             for work_id, _, _, seconds in outcome:
-                failed.add_failure(work_id, exc, seconds)
+                failed.add_failure(work_id, reason, seconds)
             item.result = failed
             data = bytes(loky_reduction.dumps(item, reducers=self._reducers))
         with self._wlock:
