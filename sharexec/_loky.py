@@ -748,7 +748,7 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
         pending = self.pending_work_items
         assert self.policy is not None  # a batch was sent
         measured = self.policy.measured
-        done = set()
+        done: list[int] = []
         for work_id, failed, value, seconds in outcome:
             work_item = pending.pop(work_id, None)
             if work_item is None:
@@ -758,13 +758,25 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
                 work_item.future.set_exception(value)
             else:
                 work_item.future.set_result(value)
-            done.add(work_id)
+            done.append(work_id)
             del work_item
         outcome.clear()
-        # Out of loky's list of running ids in one pass (a remove per call would move
-        # the rest of the list each time), in place: loky's queue holds the same list.
+        if not done:
+            return
+        # Out of loky's list of running ids at once (a remove per call would move the
+        # rest of the list each time), in place: loky's queue holds the same list. A
+        # batch's ids were added together, so they are found together, unless some
+        # failed alone in the feeder thread meanwhile.
         running = self.running_work_items
-        running[:] = [work_id for work_id in running if work_id not in done]
+        try:
+            at = running.index(done[0])
+        except ValueError:
+            at = -1
+        if at >= 0 and running[at : at + len(done)] == done:
+            del running[at : at + len(done)]
+        else:
+            gone = set(done)
+            running[:] = [work_id for work_id in running if work_id not in gone]
 
 
 # ---------------------------------------------------------------------------------------

@@ -241,7 +241,7 @@ class Transport:
                     functions.append(ref)
             plain = (
                 at >= 0
-                and all(map(is_plain, args))
+                and (is_plain(args) or all(map(is_plain, args)))  # atoms: one look
                 and (not kwargs or all(map(is_plain, kwargs.values())))
             )
             entries.append((at, args, kwargs) if plain else task)
