@@ -146,6 +146,23 @@ def test_shutdown_cancel_futures_with_batches_queued(start_method, no_leaks):
         cancelled[-1].result()
 
 
+def test_map_calls_cancelled_by_shutdown_raise_cancelled_error(start_method, no_leaks):
+    ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+    measure(ex, workers.add, 1, 1)
+    processes = ex._pool_processes()
+    with held(ex):
+        results = ex.map(workers.add, range(3000), range(3000))
+        ex.shutdown(wait=False, cancel_futures=True)  # the queued calls: cancelled now
+    got = []
+    with pytest.raises(CancelledError):
+        for value in results:  # the calls that ran, in order, then a cancelled one
+            got.append(value)
+    assert got == [2 * i for i in range(len(got))]
+    assert len(got) < 3000
+    for process in processes:  # shut down without waiting: they exit meanwhile
+        process.join(60)
+
+
 # ---------------------------------------------------------------------------------------
 # Nothing waits behind a long call
 # ---------------------------------------------------------------------------------------
