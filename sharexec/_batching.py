@@ -19,7 +19,9 @@ The rules, for the promises that must hold (docs/how-it-works.md, "Many small ca
 * A batch holds at most :data:`BATCH_SECONDS` of estimated run time and
   :data:`BATCH_CALLS` calls, and no more than a share of the calls waiting
   (:meth:`Batching.limit`), so that every worker gets some while a backlog drains: its
-  calls' results wait for the batch's end, which is bounded by that time.
+  calls' results come back together at the batch's end, which is bounded by that time;
+  should a call run long after all, the worker sends back the outcomes ended so far
+  (``_worker._Streamer``): only the calls after it in its batch wait for it.
 * Only calls waiting in the queue are batched, and each becomes running as it joins a
   batch: a call still queued can be cancelled, as with the stdlib.
 * No batching with ``max_tasks_per_child`` (a worker counts tasks), nor with the

@@ -62,6 +62,7 @@ import dis
 import errno
 import gc
 import importlib
+import multiprocessing
 import pickle
 import queue
 import threading
@@ -93,6 +94,7 @@ __all__ = [
     "get_context",
     "note_run_seconds",
     "remote_exception",
+    "send_outcome",
 ]
 
 # The loky versions sharexec is tested with, as pyproject.toml pins them.
@@ -157,6 +159,18 @@ def _problems() -> list[str]:
         *_uses(pe, "_ExecutorManagerThread._run_loop", "wait_result_broken_or_wakeup"),
         *_assigns(pe, "_ExecutorManagerThread", "thread_wakeup"),
         *_takes(pe, "_ExceptionWithTraceback.__init__", "self", "exc"),
+        *_takes(
+            pe,
+            "_process_worker",
+            "call_queue",
+            "result_queue",
+            "initializer",
+            "initargs",
+            "processes_management_lock",
+            "timeout",
+            "worker_exit_lock",
+            "current_depth",
+        ),
         *_takes(pe, "_WorkItem.__init__", "self", "future", "fn", "args", "kwargs"),
         *_takes(
             pe,
@@ -560,6 +574,16 @@ def remote_exception(exc: BaseException) -> Any:
 
 # In a worker: how long the last call it ran took, sent with its result (_ResultQueue).
 _run_seconds: float | None = None
+
+
+def send_outcome(outcome: BatchOutcome) -> None:
+    """In a worker: send part of a batch's outcome now, before the batch ends (the rest
+    comes back as the batch's result). Through this worker's result queue, loky's
+    argument of its worker loop (``_process_worker(call_queue, result_queue, ...)``),
+    which every start method hands the worker process in its ``_args``."""
+    result_queue = multiprocessing.current_process()._args[1]  # type: ignore[attr-defined]
+    first = outcome[0][0]
+    result_queue.put(process_executor._ResultItem(first, result=outcome))
 
 
 def note_run_seconds(seconds: float) -> None:

@@ -218,11 +218,31 @@ def load_batch(ids: list[int], context: bytes, functions: bytes, entries: list[A
 
 def run_batch(batch: Any) -> _loky.BatchOutcome:
     """Run a batch's calls in order, each with its own outcome and run time: a call that
-    raises fails alone, and the next one runs."""
+    raises fails alone, and the next one runs.
+
+    Outcomes stream: while a call runs longer than expected, the outcomes of the calls
+    before it are sent back without waiting for the batch's end (:class:`_Streamer`).
+    """
     ids, options, token, functions, entries = batch
     batch.clear()
-    outcome = _loky.BatchOutcome()
+    outcome = _streamer.start()
     clock = time.perf_counter
+    try:
+        _run_batch(ids, options, token, functions, entries, outcome, clock)
+    finally:
+        rest = _streamer.stop()
+    return rest
+
+
+def _run_batch(
+    ids: list[int],
+    options: Options,
+    token: int,
+    functions: Any,
+    entries: list[Any],
+    outcome: _Outcomes,
+    clock: Any,
+) -> None:
     for at, work_id in enumerate(ids):
         entry, entries[at] = entries[at], None  # dropped as soon as it ran
         start = clock()
@@ -248,7 +268,103 @@ def run_batch(batch: Any) -> _loky.BatchOutcome:
         else:
             outcome.add(work_id, value, clock() - start)
             del value
-    return outcome
+
+
+class _Outcomes:
+    """The outcomes of the running batch not sent yet, shared with the streamer's thread."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self.unsent = _loky.BatchOutcome()
+        self.since = 0.0  # time.monotonic() when the oldest unsent outcome was added
+
+    def add(self, work_id: int, value: Any, seconds: float) -> None:
+        with self.lock:
+            if not self.unsent:
+                self.since = time.monotonic()
+            self.unsent.add(work_id, value, seconds)
+
+    def add_failure(self, work_id: int, exc: BaseException, seconds: float) -> None:
+        with self.lock:
+            if not self.unsent:
+                self.since = time.monotonic()
+            self.unsent.add_failure(work_id, exc, seconds)
+
+    def take(self) -> _loky.BatchOutcome:
+        with self.lock:
+            taken, self.unsent = self.unsent, _loky.BatchOutcome()
+            return taken
+
+
+class _Streamer:
+    """Sends a batch's outcomes back while a later call of the batch runs long.
+
+    A batch is sized to end within a few ms, and its outcomes then go back together, as
+    the batch's result. If a call runs longer than that, a thread of this worker (a
+    daemon, started with the first batch) sends the outcomes of the calls before it
+    after ``STREAM_SECONDS``, so that they do not wait for it; the parent completes each
+    future as its outcome arrives, whichever message brings it.
+    """
+
+    STREAM_SECONDS = 0.005
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """As a new process (after fork): no batch, no thread."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(threading.Lock())
+        self._running: _Outcomes | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> _Outcomes:
+        outcomes = _Outcomes(self._lock)
+        with self._wake:
+            self._running = outcomes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._send_late, daemon=True)
+                self._thread.name = "sharexec-stream"
+                self._thread.start()
+            self._wake.notify()
+        return outcomes
+
+    def stop(self) -> _loky.BatchOutcome:
+        """The batch ended: what is left to send, as its result."""
+        with self._wake:
+            outcomes, self._running = self._running, None
+        assert outcomes is not None
+        return outcomes.take()
+
+    def _send_late(self) -> None:
+        while True:
+            with self._wake:
+                while self._running is None:
+                    self._wake.wait()
+                outcomes = self._running
+            wait = self.STREAM_SECONDS
+            with outcomes.lock:
+                if outcomes.unsent:
+                    wait = outcomes.since + self.STREAM_SECONDS - time.monotonic()
+            if wait > 0:
+                with self._wake:
+                    if self._running is outcomes:
+                        self._wake.wait(wait)
+                continue
+            late = outcomes.take()
+            if not late:
+                continue
+            try:
+                _loky.send_outcome(late)
+            except BaseException:
+                with outcomes.lock:  # the batch's end sends them, if it has not yet
+                    late.extend(outcomes.unsent)
+                    late.failed = late.failed or outcomes.unsent.failed
+                    outcomes.unsent = late
+
+
+_streamer = _Streamer()
+os.register_at_fork(after_in_child=_streamer.reset)
 
 
 def run_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:

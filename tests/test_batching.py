@@ -195,6 +195,22 @@ def test_a_long_call_goes_alone_and_holds_no_call(start_method, no_leaks, kind):
         assert long_call.result() is True
 
 
+def test_a_batch_streams_the_outcomes_before_a_call_that_blocks(executor):
+    """A call of a function measured short blocks inside a batch: the calls before it
+    in that batch come back while it blocks (not at the batch's end)."""
+    with get_context("spawn").Manager() as manager:
+        go = manager.Event()
+        measure(executor, workers.wait_at, 0, -1, go)
+        with held(executor):
+            futures = [executor.submit(workers.wait_at, i, 500, go) for i in range(1000)]
+        done, _ = wait(futures[:500], timeout=60)
+        assert len(done) == 500  # while call 500 blocks
+        assert not futures[500].done()
+        go.set()
+        assert [f.result() for f in futures] == list(range(1000))
+    assert executor.statistics().tasks_batched > 0
+
+
 def test_as_completed_sees_results_as_they_come(executor):
     measure(executor, workers.add, 1, 1)
     with get_context("spawn").Manager() as manager:

@@ -239,3 +239,10 @@ def exit_at(i: int, k: int) -> int:
 def filled(n: int, value: float) -> np.ndarray:
     """A fresh private array of ``n`` float64 equal to ``value``."""
     return np.full(n, value)
+
+
+def wait_at(i: int, k: int, event: Any) -> int:
+    """Return ``i`` at once, unless ``i == k``: then wait for ``event`` first."""
+    if i == k:
+        event.wait(120)
+    return i
