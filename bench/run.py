@@ -12,9 +12,10 @@ plots W1's time against the array size (log-log) to ``docs/_static/bench_w1.png`
 Systems: ``stdlib`` (``concurrent.futures.ProcessPoolExecutor``), ``loky``
 (``loky.ProcessPoolExecutor``), ``joblib`` (``Parallel(n_jobs=2)``, loky backend, its
 auto-memmapping), ``mpire`` (``WorkerPool``, kept alive: ``imap`` with its automatic chunk
-size, ``apply_async`` per call), ``shm`` (hand-written ``multiprocessing.shared_memory`` with the stdlib
-executor) and ``sharexec``. Every system uses the same start method (``--start-method``,
-default spawn); W6 repeats start-up and W1 under the other methods (``--methods``).
+size, ``apply_async`` per call), ``shm`` (hand-written ``multiprocessing.shared_memory``
+with the stdlib executor) and ``sharexec``. Every system uses the same start method
+(``--start-method``, default spawn); W6 repeats start-up and W1 under the other methods
+(``--methods``).
 
 Workloads (sizes in MiB, times ``--scale``):
 
