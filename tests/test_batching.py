@@ -126,16 +126,17 @@ def test_a_queued_call_is_cancelled_and_never_runs(executor):
 def test_shutdown_cancel_futures_with_batches_queued(start_method, no_leaks):
     ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
     measure(ex, workers.add, 1, 1)
-    with held(ex):
-        futures = [ex.submit(workers.add, i, 1) for i in range(3000)]
-        # Batches wait in the call queue (running, as the stdlib's queued calls), the
-        # rest is queued: cancelled. The shutdown waits for the blockers: from a thread.
-        shutting = threading.Thread(target=ex.shutdown, kwargs={"cancel_futures": True})
-        shutting.start()
-        wait(futures[-1:], timeout=60)  # cancelled by now
-    shutting.join(60)
-    assert not shutting.is_alive()
-    wait(futures, timeout=60)
+    with get_context("spawn").Manager() as manager:
+        go = manager.Event()
+        # The calls below queue up behind the blockers (a few may take the call queue's
+        # free places); once the blockers end, the backlog leaves in batches.
+        blockers = [ex.submit(workers.block, go) for _ in range(5)]
+        futures = [ex.submit(workers.add, i, 1) for i in range(20_000)]
+        go.set()
+        assert [b.result() for b in blockers] == [True] * 5
+        # Batches are in the call queue (running, as the stdlib's queued calls), the
+        # rest is queued: cancelled.
+        ex.shutdown(wait=True, cancel_futures=True)
     cancelled = [f for f in futures if f.cancelled()]
     ran = [(i, f) for i, f in enumerate(futures) if not f.cancelled()]
     assert cancelled, "nothing was left to cancel"
