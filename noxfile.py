@@ -206,8 +206,8 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmark suite against its peers (``bench/run.py``); not a default session.
 
-    Installs the ``bench`` extra (joblib, psutil, matplotlib). Takes several minutes; e.g.
-    ``nox -s bench -- --scale 0.25 --reps 3`` for a quicker run.
+    Installs the ``bench`` extra (joblib, mpire, psutil, matplotlib). Takes several
+    minutes; e.g. ``nox -s bench -- --scale 0.25 --reps 3`` for a quicker run.
     """
     session.install(".[bench]")
     session.run("python", "bench/run.py", *session.posargs)

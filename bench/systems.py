@@ -252,6 +252,37 @@ class Joblib(System):
 
 
 # ---------------------------------------------------------------------------------------
+# mpire: WorkerPool, its defaults (batching of map by its automatic chunk size)
+# ---------------------------------------------------------------------------------------
+
+
+class Mpire(System):
+    """mpire as its users run it: a ``WorkerPool`` kept alive between calls, ``imap`` with
+    its automatic chunk size, ``apply_async`` for one call at a time."""
+
+    name = "mpire"
+    notes: ClassVar[dict[str, str]] = {"W4": "slices returned, assembled in the parent"}
+
+    def start(self) -> None:
+        from mpire import WorkerPool
+
+        self.pool = WorkerPool(n_jobs=N_WORKERS, start_method=self.method, keep_alive=True)
+        self.wait_ready()
+
+    def shutdown(self) -> None:
+        self.pool.stop_and_join()
+
+    def call_all(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
+        results = [self.pool.apply_async(fn, args=call) for call in calls]
+        return [r.get() for r in results]
+
+    def imap(self, fn: Callable[..., Any], *iterables: Iterable[Any]) -> Iterator[Any]:
+        # mpire unpacks a tuple item into the arguments.
+        results: Iterator[Any] = self.pool.imap(fn, list(zip(*iterables, strict=True)))
+        return results
+
+
+# ---------------------------------------------------------------------------------------
 # Hand-written multiprocessing.shared_memory with the stdlib executor: the parent's side
 # ---------------------------------------------------------------------------------------
 
@@ -341,5 +372,5 @@ class HandShm(Stdlib):
 
 
 SYSTEMS: dict[str, type[System]] = {
-    cls.name: cls for cls in (Stdlib, Loky, Joblib, HandShm, Sharexec)
+    cls.name: cls for cls in (Stdlib, Loky, Joblib, Mpire, HandShm, Sharexec)
 }

@@ -52,10 +52,15 @@ class Options:
         Where file-backed segments go when shared memory is full or missing (a private
         subfolder is made in it); default: the system's temporary folder.
         Environment variable: ``SHAREXEC_TEMP_FOLDER``.
+    batching
+        Whether queued calls of functions measured short may travel to a worker several
+        in one message (see ``_batching``). Environment variable: ``SHAREXEC_BATCHING``
+        (``0`` or ``1``).
     """
 
     min_share_bytes: int = DEFAULT_MIN_SHARE_BYTES
     temp_folder: str | None = None
+    batching: bool = True
 
     @classmethod
     def resolve(
@@ -96,6 +101,13 @@ def _parse(name: str, value: Any, where: str) -> Any:
         if not os.path.isdir(folder):
             raise ConfigError(f"{where} must be an existing folder, got {value!r}")
         return os.path.abspath(folder)
+    if name == "batching":
+        if isinstance(value, bool):
+            return value
+        words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+        if isinstance(value, str) and value.strip().lower() in words:
+            return words[value.strip().lower()]
+        raise ConfigError(f"{where} must be True or False (or 1 or 0), got {value!r}")
     raise AssertionError(name)  # pragma: no cover - every field has a parser
 
 

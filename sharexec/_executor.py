@@ -49,7 +49,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
@@ -57,11 +57,12 @@ from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from . import _tracking
+from ._batching import Batching
 from ._config import Options
 from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, RebuildFailure
-from ._worker import run, run_chunk, run_initializer
+from ._worker import run, run_batch, run_chunk, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
@@ -132,6 +133,13 @@ class Statistics:
     tasks_submitted, tasks_done : int
         Calls submitted, and calls whose future is done (result, exception or
         cancelled).
+    tasks_batched : int
+        Calls that went to a worker together with others, in one message (see *How it
+        works*, "Many small calls"): queued calls of functions measured short. Zero
+        with ``batching=False``.
+    batches : int
+        The messages those calls went in: ``tasks_batched / batches`` calls each, on
+        average.
     """
 
     segments_live: int
@@ -144,6 +152,8 @@ class Statistics:
     fallbacks: int
     tasks_submitted: int
     tasks_done: int
+    tasks_batched: int
+    batches: int
 
 
 class SharedProcessPoolExecutor(LokyExecutor):
@@ -176,8 +186,10 @@ class SharedProcessPoolExecutor(LokyExecutor):
         sharexec options: ``min_share_bytes`` (buffers at least this large go through
         shared memory; default 256 KiB, or ``SHAREXEC_MIN_SHARE_BYTES``) and
         ``temp_folder`` (where segments spill when shared memory is full; default the
-        system's temporary folder, or ``SHAREXEC_TEMP_FOLDER``). An unknown option is a
-        :class:`~sharexec.ConfigError`.
+        system's temporary folder, or ``SHAREXEC_TEMP_FOLDER``) and ``batching``
+        (default True, or ``SHAREXEC_BATCHING``: queued calls of functions measured
+        short go to a worker several in one message; each still gets its own future,
+        result and exception). An unknown option is a :class:`~sharexec.ConfigError`.
     """
 
     _worker_env: dict[str, str] | None = None  # the workers' environment (loky's method)
@@ -218,6 +230,13 @@ class SharedProcessPoolExecutor(LokyExecutor):
         initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress())
         initializer = run_initializer
         self._sweeper_reached = False  # see submit
+        workers = cpu_count() if max_workers is None else max_workers
+        # Queued calls of functions measured short travel together (see _batching);
+        # not with max_tasks_per_child, which counts what a worker takes.
+        batching = None
+        if self._options.batching and max_tasks_per_child is None and workers > 0:
+            batching = Batching(self._transport, workers, run, run_batch)
+        self._batching = batching
         super().__init__(
             max_workers=max_workers,
             context=context,
@@ -225,6 +244,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
             initargs=initargs,
             env=self._worker_env,
             max_tasks_per_child=max_tasks_per_child,
+            batching=batching,
         )
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -236,15 +256,25 @@ class SharedProcessPoolExecutor(LokyExecutor):
         # The future is ours from the start (not loky's, as its submit would make): the
         # task is complete before the feeder thread can pickle it, and no more objects
         # than loky's own are left for the garbage collector per pending call.
+        future: Future[T] = self._submit(fn, args, _Future, kwargs)
+        return future
+
+    def _submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        outcome: Callable[[Task], Any],
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Queue the call; its outcome goes to ``outcome(task)``: a future, or a slot."""
         if not self._sweeper_reached:
             # Before the first workers start: forked, they must know the sweeper's
             # address (see run_initializer), and every call carries it anyway.
             self._transport.context()
             self._sweeper_reached = True
         task = Task(fn, args, kwargs, self._transport)
-        future: _Future = _Future(task)
-        self._enqueue(future, run, (task,))
-        self._transport.counts.add("tasks_submitted")
+        future = outcome(task)
+        self._enqueue(future, run, (task,))  # counted there (statistics: _pool_submitted)
         return future
 
     def _workers_started(self, pids: list[int]) -> None:
@@ -274,8 +304,10 @@ class SharedProcessPoolExecutor(LokyExecutor):
             bytes_reused=counts["bytes_reused"],
             bytes_by_reference=counts["bytes_by_reference"],
             fallbacks=counts["fallbacks"],
-            tasks_submitted=counts["tasks_submitted"],
+            tasks_submitted=self._pool_submitted,
             tasks_done=counts["tasks_done"],
+            tasks_batched=counts["tasks_batched"],
+            batches=counts["batches"],
         )
 
     def map(
@@ -324,10 +356,14 @@ class SharedProcessPoolExecutor(LokyExecutor):
         calls = zip(*iterables, strict=False)  # to the shortest, as map()
         if chunksize == 1:
             # A call per item, submitted as it is, so that calls with plain arguments
-            # skip the pickling pass (see Transport.plain_call).
-            return _results(self, fn, calls, timeout, buffersize)
+            # skip the pickling pass (see Transport.plain_call) and calls of a function
+            # measured short travel in batches; each with a slot, not a future (no user
+            # sees it: a tenth of a future's cost).
+            return _results(self, partial(_submit_slot, _MapRun(), fn), calls, timeout, buffersize)
         chunks = ((chunk,) for chunk in _batched(calls, chunksize))
-        return _flatten(_results(self, partial(run_chunk, fn), chunks, timeout, buffersize))
+        chunk_fn = partial(run_chunk, fn)
+        submit_chunk = partial(_submit_future, chunk_fn)
+        return _flatten(_results(self, submit_chunk, chunks, timeout, buffersize))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Free the workers and the segments of the executor (without ``wait``, those of
@@ -409,9 +445,15 @@ def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[An
         yield chunk
 
 
+def _submit_future(
+    fn: Callable[..., Any], executor: SharedProcessPoolExecutor, args: tuple[Any, ...]
+) -> Future[Any]:
+    return executor.submit(fn, *args)
+
+
 def _results(
     executor: SharedProcessPoolExecutor,
-    fn: Callable[..., Any],
+    submit: Callable[[SharedProcessPoolExecutor, tuple[Any, ...]], Any],
     calls: Iterator[tuple[Any, ...]],
     timeout: float | None,
     buffersize: int | None,
@@ -419,9 +461,10 @@ def _results(
     """Submit the calls (all now, or ``buffersize`` ahead) and iterate their results.
 
     The standard library's ``Executor.map`` of Python 3.14, which older Pythons lack.
+    ``submit(executor, args)`` queues one call and returns its future (or ``_Slot``).
     """
     end = None if timeout is None else timeout + time.monotonic()
-    futures = deque(executor.submit(fn, *args) for args in islice(calls, buffersize))
+    futures = deque(submit(executor, args) for args in islice(calls, buffersize))
     # Weakly: an executor is collected (and shut down) as usual while this iterator lives.
     owner = weakref.ref(executor)
 
@@ -432,7 +475,7 @@ def _results(
                     alive = owner()
                     args = next(calls, None) if alive is not None else None
                     if args is not None and alive is not None:
-                        futures.append(alive.submit(fn, *args))
+                        futures.append(submit(alive, args))
                     del alive
                 # Not a name for the future: a reference kept here would keep its
                 # result (and a traceback cycle) alive while the caller holds the value.
@@ -463,6 +506,151 @@ def _flatten(chunks: Iterator[list[Any]]) -> Iterator[Any]:
         chunk.reverse()
         while chunk:
             yield chunk.pop()
+
+
+# ---------------------------------------------------------------------------------------
+# The calls of map(): slots instead of futures
+# ---------------------------------------------------------------------------------------
+
+_PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
+
+
+class _MapRun:
+    """What the calls of one ``map`` share: a lock over their slots' states, and the
+    condition its iterator waits on (for the slot it wants next: ``waiting``)."""
+
+    __slots__ = ("condition", "waiting")
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition(threading.Lock())
+        self.waiting: _Slot | None = None
+
+
+def _submit_slot(
+    run: _MapRun, fn: Callable[..., Any], executor: SharedProcessPoolExecutor, args: Any
+) -> _Slot:
+    """Queue ``fn(*args)`` for ``map``, its outcome to a slot of ``run``."""
+    slot: _Slot = executor._submit(fn, args, partial(_Slot, run=run))
+    return slot
+
+
+class _Slot:
+    """Where a call of ``map`` gets its outcome: what the pool needs of a future
+    (``set_running_or_notify_cancel``, ``set_result``, ``set_exception``, ``cancel``,
+    ``done``, ``add_done_callback``), and ``result`` for map's iterator.
+
+    A future per call costs about ten objects (a condition, its lock, lists) and a lock
+    taken at each step; map's calls are seen by no one but its iterator, so they share
+    one lock and one condition (:class:`_MapRun`). As a future, a slot releases its
+    task's segments before its outcome is seen, and raises a result that failed to
+    rebuild.
+    """
+
+    __slots__ = ("_callbacks", "_error", "_run", "_state", "_value", "task")
+
+    def __init__(self, task: Task, run: _MapRun) -> None:
+        self.task: Task | None = task
+        self._run = run
+        self._state = _PENDING
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Any], object]] | None = None
+
+    def set_running_or_notify_cancel(self) -> bool:
+        with self._run.condition:
+            if self._state == _CANCELLED:
+                return False
+            self._state = _RUNNING
+            return True
+
+    def set_result(self, result: Any) -> None:
+        if type(result) is RebuildFailure:
+            self.set_exception(result.error)
+        elif type(result) is Delivered:
+            self._release(result)
+            self._finish(result.value, None)
+        else:  # a plain value, sent back as it is (see _worker.run)
+            self._release(None)
+            self._finish(result, None)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self._release(None)
+        self._finish(None, exception)
+
+    def cancel(self) -> bool:
+        if self._state >= _DONE:  # final: no lock needed (map cancels each after use)
+            return self._state == _CANCELLED
+        with self._run.condition:
+            if self._state != _PENDING:
+                return self._state == _CANCELLED
+            self._state = _CANCELLED
+            if self._run.waiting is self:
+                self._run.condition.notify_all()
+        self._release(None)
+        self._call_back()
+        return True
+
+    def done(self) -> bool:
+        return self._state >= _DONE
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None:
+        with self._run.condition:
+            if self._state < _DONE:
+                self._callbacks = [*(self._callbacks or ()), fn]
+                return
+        fn(self)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The call's result (or its exception raised), waiting ``timeout`` seconds."""
+        if self._state < _DONE:
+            run = self._run
+            end = None if timeout is None else time.monotonic() + timeout
+            with run.condition:
+                run.waiting = self
+                try:
+                    while self._state < _DONE:
+                        left = None if end is None else end - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise TimeoutError
+                        run.condition.wait(left)
+                finally:
+                    run.waiting = None
+        if self._state == _CANCELLED:
+            raise CancelledError
+        error, self._error = self._error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # breaks the cycle of its traceback with this frame
+        value, self._value = self._value, None  # held by the caller only
+        return value
+
+    def _finish(self, value: Any, error: BaseException | None) -> None:
+        run = self._run
+        with run.condition:
+            if self._state >= _DONE:
+                return  # cancelled (or failed by a broken pool) already
+            self._value, self._error, self._state = value, error, _DONE
+            if run.waiting is self:
+                run.condition.notify_all()
+        self._call_back()
+
+    def _call_back(self) -> None:
+        callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            fn(self)
+
+    def _release(self, delivered: Delivered | None) -> None:
+        """Release the task's segments, once, before the outcome is seen."""
+        with self._run.condition:
+            task, self.task = self.task, None
+        if task is not None:
+            task.release(delivered)
+            task.transport.counts.add("tasks_done")
 
 
 class _Future(LokyFuture):

@@ -62,15 +62,18 @@ import dis
 import errno
 import gc
 import importlib
+import multiprocessing
 import pickle
+import queue
 import threading
 import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import _base as futures_base
 from multiprocessing import queues as mp_queues
 from multiprocessing import util as mp_util
-from typing import Any
+from typing import Any, Protocol
 
 import loky
 from loky import process_executor
@@ -81,11 +84,17 @@ from loky.backend import reduction as loky_reduction
 __all__ = [
     "DISPATCH_TABLE",
     "SUPPORTED_LOKY",
+    "BatchOutcome",
+    "BatchPolicy",
+    "CallBatch",
     "LokyExecutor",
     "LokyFuture",
     "count_private_memory_only",
     "cpu_count",
     "get_context",
+    "note_run_seconds",
+    "remote_exception",
+    "send_outcome",
 ]
 
 # The loky versions sharexec is tested with, as pyproject.toml pins them.
@@ -108,6 +117,7 @@ def _problems() -> list[str]:
         # LokyExecutor: submit on loky's state, the pool's state, the queue swap, and
         # the quiet recycling.
         *_has(pe, "_WorkItem", "_ThreadWakeup.wakeup", "_global_shutdown"),
+        *_has(pe, "_ThreadWakeup.clear", "_ExceptionWithTraceback", "_ExecutorManagerThread"),
         *_has(
             pe,
             "ProcessPoolExecutor._setup_queues",
@@ -132,7 +142,35 @@ def _problems() -> list[str]:
         ),
         *_assigns(pe, "_ExecutorFlags", "broken", "shutdown", "shutdown_lock"),
         *_assigns(pe, "_WorkItem", "future"),
-        *_assigns(pe, "_ExecutorManagerThread", "recycling_warned"),
+        *_assigns(
+            pe,
+            "_ExecutorManagerThread",
+            "recycling_warned",
+            "call_queue",
+            "work_ids_queue",
+            "pending_work_items",
+            "running_work_items",
+        ),
+        # Batching: the manager's two steps replaced, the wake-up coalesced, the ids
+        # queue replaced (loky only puts and gets without blocking).
+        *_uses(pe, "_ExecutorManagerThread._run_loop", "add_call_item_to_queue"),
+        *_uses(pe, "_ExecutorManagerThread._run_loop", "process_result_item"),
+        *_uses(pe, "_ExecutorManagerThread.wait_result_broken_or_wakeup", "clear"),
+        *_uses(pe, "_ExecutorManagerThread._run_loop", "wait_result_broken_or_wakeup"),
+        *_assigns(pe, "_ExecutorManagerThread", "thread_wakeup"),
+        *_takes(pe, "_ExceptionWithTraceback.__init__", "self", "exc"),
+        *_takes(
+            pe,
+            "_process_worker",
+            "call_queue",
+            "result_queue",
+            "initializer",
+            "initargs",
+            "processes_management_lock",
+            "timeout",
+            "worker_exit_lock",
+            "current_depth",
+        ),
         *_takes(pe, "_WorkItem.__init__", "self", "future", "fn", "args", "kwargs"),
         *_takes(
             pe,
@@ -175,6 +213,23 @@ def _problems() -> list[str]:
         *_uses(pe, "_ExecutorManagerThread.process_result_item", "_RecycledWorkerPid"),
         # Pickling.
         *_has(loky_reduction, "_dispatch_table"),
+        *_has(futures_base, "FINISHED", "PENDING"),
+        *_assigns(
+            futures_base,
+            "Future",
+            "_condition",
+            "_state",
+            "_result",
+            "_exception",
+            "_waiters",
+            "_done_callbacks",
+        ),
+        *_has(
+            threading,
+            "Condition._release_save",
+            "Condition._acquire_restore",
+            "Condition._is_owned",
+        ),
         # The worker's leak check (its measure exists only where psutil does).
         *_has(pe, "_USE_PSUTIL"),
         *_uses(pe, "_process_worker", "_get_memory_usage"),  # looked up at each call
@@ -184,7 +239,7 @@ def _problems() -> list[str]:
             else []
         ),
         # The future.
-        *_assigns(loky, "Future", "_condition"),
+        *_assigns(loky, "Future", "_condition", "_state", "_result", "_exception"),
     ]
 
 
@@ -326,8 +381,10 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         initargs: tuple[Any, ...],
         env: dict[str, str] | None,
         max_tasks_per_child: int | None,
+        batching: BatchPolicy | None = None,
     ) -> None:
         self._max_tasks_per_child = max_tasks_per_child  # read by _setup_queues
+        self._batching = batching  # read by _start_executor_manager_thread
         super().__init__(
             max_workers=max_workers,
             context=context,
@@ -335,8 +392,12 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             initargs=initargs,
             env=env,
         )
+        # Before any call is queued, so before the manager thread exists (it reads both
+        # when it starts): a wake-up written only when none is pending, ids in a deque.
+        self._executor_manager_thread_wakeup.__class__ = _CoalescedWakeup
+        self._work_ids = _WorkIds()
 
-    def _enqueue(self, future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def _enqueue(self, future: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Queue the call ``fn(*args)``, whose outcome ``future`` will receive.
 
         As loky's ``submit``, with the caller's future: raises the error that broke the
@@ -356,14 +417,25 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             self._pending_work_items[work_id] = work_item
             self._work_ids.put(work_id)
             self._queue_count = work_id + 1
-            self._executor_manager_thread_wakeup.wakeup()  # it queues the call for a worker
-            self._ensure_executor_running()
+            self._executor_manager_thread_wakeup.wakeup_for_call()  # unless it is awake
+            # loky takes a process lock here at every call; only needed while the pool
+            # is short of workers or has no manager thread (the manager itself replaces
+            # a worker that leaves while calls are pending).
+            if self._executor_manager_thread is None or len(self._processes) != int(
+                self._max_workers
+            ):
+                self._ensure_executor_running()
 
     @property
     def _pool_broken(self) -> BaseException | None:
         """The error that broke the pool (a worker died...), or None while it works."""
         broken: BaseException | None = self._flags.broken
         return broken
+
+    @property
+    def _pool_submitted(self) -> int:
+        """The number of calls queued so far (loky's next work id)."""
+        return int(self._queue_count)
 
     @property
     def _pool_shut_down(self) -> bool:
@@ -407,12 +479,328 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         """Hook: loky started these worker processes."""
 
     def _start_executor_manager_thread(self) -> None:
+        started = self._executor_manager_thread is None
         super()._start_executor_manager_thread()
+        thread = self._executor_manager_thread
+        if started:
+            # Our manager from its next step on (its state set before its class: the
+            # steps of _Manager read it). Until then it runs loky's steps: it sends
+            # calls one by one, which a batch's outcome never needs to follow.
+            thread.policy = self._batching
+            thread.carry = None
+            thread.__class__ = _Manager
         if self._max_tasks_per_child is not None:
             # Recycling is asked for: loky's warning about a recycled worker (meant for
             # its memory-leak recycling) would be noise. Set before any worker can have
             # finished its tasks, hence before the manager thread can read it.
             self._executor_manager_thread.recycling_warned = True
+
+
+# ---------------------------------------------------------------------------------------
+# Batching: several queued calls in one message, their outcomes back together
+# ---------------------------------------------------------------------------------------
+
+
+class BatchPolicy(Protocol):
+    """What the manager thread asks before it sends calls together (``_batching``'s).
+
+    Called from the manager thread only. ``fn`` and ``args`` are those of a queued call
+    as the executor queued it (``_enqueue``).
+    """
+
+    budget: float  # seconds of estimated run time one batch may hold
+
+    def cost(self, fn: Any, args: tuple[Any, ...]) -> float | None:
+        """The call's estimated run time in seconds; None: it goes alone."""
+
+    def limit(self, queued: int) -> int:
+        """How many calls one batch may take when ``queued`` calls wait."""
+
+    def measured(self, fn: Any, args: tuple[Any, ...], seconds: float) -> None:
+        """The call ran for ``seconds`` in a worker."""
+
+    def batched(self, calls: int) -> None:
+        """A batch of ``calls`` calls was queued (for statistics)."""
+
+    def run_batch(self, batch: Any) -> Any:
+        """Runs in the worker: what a :class:`CallBatch` rebuilt as, to a
+        :class:`BatchOutcome`."""
+
+    def reduce_batch(self, batch: CallBatch) -> Any:
+        """The ``__reduce__`` value of ``batch``: how its calls travel."""
+
+
+class CallBatch:
+    """Queued calls sent in one message: their work ids and ``(fn, args)``, in order.
+
+    Pickled by ``policy.reduce_batch`` (one pickle for the calls of plain arguments).
+    If that fails, the feeder thread sends each call alone, so only a call that cannot
+    be pickled fails (:func:`_feed`).
+    """
+
+    __slots__ = ("calls", "checked", "ids", "policy")
+
+    def __init__(self, ids: list[int], calls: list[tuple[Any, tuple[Any, ...]]], policy: Any):
+        self.ids = ids
+        self.calls = calls
+        self.policy = policy
+        self.checked = False  # made of calls that each pickled alone (see _feed)
+
+    def __reduce__(self) -> Any:
+        return self.policy.reduce_batch(self)
+
+
+class BatchOutcome(list):  # type: ignore[type-arg]
+    """What a worker sends back for a batch: ``(work_id, failed, value, seconds)`` per
+    call, in order; ``value`` is the result, or the exception raised (as loky sends
+    it: with the worker's traceback as its ``__cause__``). ``failed``: whether any call
+    raised (then it is pickled as loky pickles exceptions)."""
+
+    failed = False
+
+    def add(self, work_id: int, value: Any, seconds: float) -> None:
+        self.append((work_id, False, value, seconds))
+
+    def add_failure(self, work_id: int, exc: BaseException, seconds: float) -> None:
+        self.append((work_id, True, remote_exception(exc), seconds))
+        self.failed = True
+
+
+def remote_exception(exc: BaseException) -> Any:
+    """``exc`` as loky sends a task's exception: rebuilt in the parent with the worker's
+    traceback as its ``__cause__``."""
+    return process_executor._ExceptionWithTraceback(exc)
+
+
+# In a worker: how long the last call it ran took, sent with its result (_ResultQueue).
+_run_seconds: float | None = None
+
+
+def send_outcome(outcome: BatchOutcome) -> None:
+    """In a worker: send part of a batch's outcome now, before the batch ends (the rest
+    comes back as the batch's result). Through this worker's result queue, loky's
+    argument of its worker loop (``_process_worker(call_queue, result_queue, ...)``),
+    which every start method hands the worker process in its ``_args``."""
+    result_queue = multiprocessing.current_process()._args[1]  # type: ignore[attr-defined]
+    first = outcome[0][0]
+    result_queue.put(process_executor._ResultItem(first, result=outcome))
+
+
+def note_run_seconds(seconds: float) -> None:
+    """In a worker: the call about to be sent back ran for ``seconds``."""
+    global _run_seconds
+    _run_seconds = seconds
+
+
+class _CoalescedWakeup(process_executor._ThreadWakeup):  # type: ignore[misc]
+    """loky's wake-up of the manager thread, written only when none is pending.
+
+    loky writes a byte to a pipe at every submit: a system call, and a thread switch
+    to the manager, per call. Here a submit writes only if the manager has not been
+    woken since it last cleared the pipe. Safe because the manager clears *before* it
+    next looks at the queued calls (``wait_result_broken_or_wakeup`` ends its step
+    with ``clear``), and the flag is reset after the pipe is drained: any call queued
+    before the reset is seen by that look, any wake-up after it writes again.
+    """
+
+    _pending = False
+    # Whether the manager thread is awake and will look at the queued calls before it
+    # next waits (set by _Manager): then a call queued needs no wake-up at all.
+    awake = False
+
+    def wakeup(self) -> None:
+        if not self._pending:
+            self._pending = True
+            super().wakeup()
+
+    def wakeup_for_call(self) -> None:
+        """A call was queued: wake the manager unless it is awake."""
+        if not self.awake:
+            self.wakeup()
+
+    def clear(self) -> None:
+        super().clear()
+        self._pending = False
+
+
+class _WorkIds:
+    """The queue of work ids, a deque: loky's is a ``queue.Queue`` (two locks and a
+    condition per call) read only by its manager thread, never blocking."""
+
+    def __init__(self) -> None:
+        self._ids: deque[int] = deque()
+
+    def put(self, work_id: int) -> None:
+        self._ids.append(work_id)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> int:
+        if block:  # pragma: no cover - loky never blocks on it
+            raise NotImplementedError("work ids are taken without blocking")
+        try:
+            return self._ids.popleft()
+        except IndexError:
+            raise queue.Empty from None
+
+    def get_nowait(self) -> int:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        return len(self._ids)
+
+    def empty(self) -> bool:
+        return not self._ids
+
+
+class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
+    """loky's manager thread, which sends queued calls of short functions together.
+
+    ``add_call_item_to_queue`` fills free places of the call queue as loky's does, one
+    call item per place; a call whose function the policy measured short starts a
+    batch, which takes the calls queued after it while they are short too, up to the
+    policy's budget of run time and its limit on calls. Each call of a batch is marked
+    running as it joins (a cancelled one is dropped, as loky drops it), and is listed
+    in loky's tables under its own work id: a dead worker fails each with
+    ``BrokenProcessPool``, as it would fail them alone. ``process_result_item``
+    completes each call of a batch's outcome, in order, and feeds every call's
+    measured run time to the policy.
+    """
+
+    policy: BatchPolicy | None  # None: every call goes alone
+    carry: int | None  # a work id taken but not sent: it goes first in the next step
+
+    def wait_result_broken_or_wakeup(self) -> Any:
+        # While this thread is awake, a submit does not write its wake-up (a system call
+        # and a thread switch per call): this thread looks at the queue before it waits.
+        # Marked asleep first, then that look: a call queued before the mark is seen
+        # here, one queued after it writes.
+        wakeup = self.thread_wakeup
+        wakeup.awake = False
+        if self.work_ids_queue.qsize() and not self.call_queue.full():
+            wakeup.wakeup()
+        try:
+            return super().wait_result_broken_or_wakeup()
+        finally:
+            wakeup.awake = True
+
+    def add_call_item_to_queue(self) -> None:
+        pending = self.pending_work_items
+        while not self.call_queue.full():
+            work_id = self.carry
+            if work_id is None:
+                try:
+                    work_id = self.work_ids_queue.get(block=False)
+                except queue.Empty:
+                    return
+            self.carry = None
+            work_item = pending.get(work_id)
+            if work_item is None:
+                continue  # failed meanwhile (shut down with kill_workers)
+            if not work_item.future.set_running_or_notify_cancel():
+                del pending[work_id]
+                continue
+            members = self._gather(work_id, work_item)
+            if members is None:
+                self.running_work_items.append(work_id)
+                call = process_executor._CallItem(
+                    work_id, work_item.fn, work_item.args, work_item.kwargs
+                )
+            else:
+                ids = [work_id, *(i for i, _ in members)]
+                policy = self.policy
+                assert policy is not None  # _gather batches only with a policy
+                calls = [(work_item.fn, work_item.args)]
+                calls += [(item.fn, item.args) for _, item in members]
+                self.running_work_items.extend(ids)
+                batch = CallBatch(ids, calls, policy)
+                call = process_executor._CallItem(
+                    work_id, policy.run_batch, (batch,), _NO_KEYWORDS
+                )
+                policy.batched(len(ids))
+            self.call_queue.put(call, block=True)
+
+    def _gather(self, work_id: int, work_item: Any) -> list[tuple[int, Any]] | None:
+        """The calls queued after ``work_item`` that go with it (marked running), or
+        None if it goes alone."""
+        policy = self.policy
+        if policy is None:
+            return None
+        cost = policy.cost(work_item.fn, work_item.args)
+        if cost is None:
+            return None
+        limit = policy.limit(self.work_ids_queue.qsize() + 1) - 1
+        if limit <= 0:
+            return None
+        budget = policy.budget - cost
+        pending = self.pending_work_items
+        members: list[tuple[int, Any]] = []
+        while len(members) < limit:
+            try:
+                next_id = self.work_ids_queue.get(block=False)
+            except queue.Empty:
+                break
+            item = pending.get(next_id)
+            if item is None:
+                continue
+            cost = policy.cost(item.fn, item.args)
+            if cost is None or cost > budget:
+                self.carry = next_id  # goes first next time, alone or leading a batch
+                break
+            if not item.future.set_running_or_notify_cancel():
+                del pending[next_id]
+                continue
+            members.append((next_id, item))
+            budget -= cost
+        return members or None
+
+    def process_result_item(self, result_item: Any) -> None:
+        if type(result_item) is not process_executor._ResultItem:
+            super().process_result_item(result_item)  # a worker's pid: it left
+            return
+        outcome = result_item.result
+        if type(outcome) is BatchOutcome:
+            self._complete(outcome)
+            return
+        seconds = getattr(result_item, "seconds", None)
+        if seconds is not None and self.policy is not None:
+            work_item = self.pending_work_items.get(result_item.work_id)
+            if work_item is not None:
+                self.policy.measured(work_item.fn, work_item.args, seconds)
+        super().process_result_item(result_item)
+
+    def _complete(self, outcome: BatchOutcome) -> None:
+        """Complete each call of a batch, in order, with its own result or exception."""
+        pending = self.pending_work_items
+        assert self.policy is not None  # a batch was sent
+        measured = self.policy.measured
+        done: list[int] = []
+        for work_id, failed, value, seconds in outcome:
+            work_item = pending.pop(work_id, None)
+            if work_item is None:
+                continue  # failed meanwhile (a dead worker broke the pool)
+            measured(work_item.fn, work_item.args, seconds)
+            if failed:
+                work_item.future.set_exception(value)
+            else:
+                work_item.future.set_result(value)
+            done.append(work_id)
+            del work_item
+        outcome.clear()
+        if not done:
+            return
+        # Out of loky's list of running ids at once (a remove per call would move the
+        # rest of the list each time), in place: loky's queue holds the same list. A
+        # batch's ids were added together, so they are found together, unless some
+        # failed alone in the feeder thread meanwhile.
+        running = self.running_work_items
+        try:
+            at = running.index(done[0])
+        except ValueError:
+            at = -1
+        if at >= 0 and running[at : at + len(done)] == done:
+            del running[at : at + len(done)]
+        else:
+            gone = set(done)
+            running[:] = [work_id for work_id in running if work_id not in gone]
 
 
 # ---------------------------------------------------------------------------------------
@@ -519,9 +907,43 @@ def _feed(
                 return  # a worker was killed: the executor notices by itself
             if mp_util.is_exiting():
                 return  # the interpreter is tearing down what sending would need
-            queue_sem.release()  # the item never went: its slot is free again
-            onerror(exc, item)  # fails that item's future (loky's _SafeQueue)
+            if type(item) is call_item and item.args and type(item.args[0]) is CallBatch:
+                rest = _without_failures(item, onerror)
+                if rest is not None:  # the batch less the calls that failed alone
+                    buffer.appendleft(rest)  # in its place in the queue, and its slot
+                    del item, rest
+                    continue
+                queue_sem.release()  # nothing of it went: its slot is free again
+            else:
+                queue_sem.release()  # the item never went: its slot is free again
+                onerror(exc, item)  # fails that item's future (loky's _SafeQueue)
         del item
+
+
+def _without_failures(item: Any, onerror: Callable[[BaseException, Any], None]) -> Any:
+    """A batch that failed to pickle: each of its calls is pickled alone, and one that
+    fails gets its own error (``onerror``); the others are returned as a call item again,
+    to be sent in the batch's place (the same place in the call queue: the same slot of
+    its semaphore). None if every call failed (so is each call of a batch already made
+    of calls that each pickled alone: it failed anyway)."""
+    batch = item.args[0]
+    ids, calls = [], []
+    for work_id, (fn, args) in zip(batch.ids, batch.calls, strict=True):
+        single = process_executor._CallItem(work_id, fn, args, _NO_KEYWORDS)
+        try:
+            if batch.checked:
+                raise RuntimeError("a batch whose calls pickled one by one failed to pickle")
+            pickle.dumps(single, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as exc:
+            onerror(exc, single)
+        else:
+            ids.append(work_id)
+            calls.append((fn, args))
+    if not ids:
+        return None
+    rest = CallBatch(ids, calls, batch.policy)
+    rest.checked = True
+    return process_executor._CallItem(ids[0], item.fn, (rest,), _NO_KEYWORDS)
 
 
 class _ResultQueue(loky_queues.SimpleQueue):  # type: ignore[misc]
@@ -532,14 +954,41 @@ class _ResultQueue(loky_queues.SimpleQueue):  # type: ignore[misc]
     """
 
     def put(self, obj: Any) -> None:
-        if type(obj) is process_executor._ResultItem and obj.exception is None:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            with self._wlock:
-                self._writer.send_bytes(data)
-            return
+        if type(obj) is process_executor._ResultItem:
+            if _run_seconds is not None:  # how long the call ran (not a batch: per call)
+                obj.seconds = _run_seconds
+            outcome = obj.result
+            if type(outcome) is BatchOutcome:
+                self._put_outcome(obj, outcome)
+                return
+            if obj.exception is None:
+                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                with self._wlock:
+                    self._writer.send_bytes(data)
+                return
         if _recycling and type(obj) is int:
             obj = process_executor._RecycledWorkerPid(obj)
         super().put(obj)
+
+    def _put_outcome(self, item: Any, outcome: BatchOutcome) -> None:
+        """A batch's outcome: by plain pickle if every call succeeded, else as loky
+        pickles exceptions. If it cannot be pickled, each call fails with the reason."""
+        try:
+            if outcome.failed:
+                data = bytes(loky_reduction.dumps(item, reducers=self._reducers))
+            else:
+                data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            # Each call fails with the reason, in words: the error itself may be what
+            # could not be pickled.
+            reason = RuntimeError(f"the results of a batch could not be sent back: {exc!r}")
+            failed = BatchOutcome()
+            for work_id, _, _, seconds in outcome:
+                failed.add_failure(work_id, reason, seconds)
+            item.result = failed
+            data = bytes(loky_reduction.dumps(item, reducers=self._reducers))
+        with self._wlock:
+            self._writer.send_bytes(data)
 
 
 # ---------------------------------------------------------------------------------------
@@ -589,9 +1038,65 @@ def _private_memory(pid: int, force_gc: bool = False) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+_FINISHED = futures_base.FINISHED  # the state of a future with its outcome
+
+
+class _Condition(threading.Condition):
+    """A future's condition: ``threading.Condition`` over an ``RLock``, whose lock
+    methods are the class's, not five methods bound per instance (a future is made per
+    call: five objects fewer for the garbage collector to walk, each time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._waiters: deque[Any] = deque()
+
+    def __enter__(self) -> bool:
+        return bool(self._lock.__enter__())
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return bool(self._lock.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def _release_save(self) -> Any:
+        return self._lock._release_save()  # type: ignore[attr-defined]
+
+    def _acquire_restore(self, state: Any) -> None:
+        self._lock._acquire_restore(state)  # type: ignore[attr-defined]
+
+    def _is_owned(self) -> bool:
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+
 class LokyFuture(loky.Future):  # type: ignore[misc]
     """loky's future (the standard library's, whose callbacks log what they raise), with
-    the lock that guards its state named for subclasses."""
+    the lock that guards its state named for subclasses.
+
+    ``result()`` of a future done with a result, and ``cancel()`` of a done one, answer
+    without taking the lock (ten thousand tiny calls take ten thousand results): a
+    finished future never changes, and its result is set before its state.
+    """
+
+    def __init__(self) -> None:
+        # As concurrent.futures.Future.__init__, with a lighter condition.
+        self._condition = _Condition()
+        self._state = futures_base.PENDING
+        self._result = None
+        self._exception = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._state == _FINISHED and self._exception is None:
+            return self._result
+        return super().result(timeout)
+
+    def cancel(self) -> bool:
+        if self._state == _FINISHED:
+            return False
+        cancelled: bool = super().cancel()
+        return cancelled
 
     @property
     def _state_lock(self) -> threading.Condition:

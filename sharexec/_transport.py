@@ -49,7 +49,7 @@ from ._config import WARM_BYTES, WARM_IDLE_SECONDS, WARM_SEGMENTS, Options
 from ._reduction import Packed, Sink, argument_owner, dumps
 from ._segments import Mapping
 from ._wire import BufferRef, Delivered, is_plain, load_function
-from ._worker import load_call
+from ._worker import load_batch, load_call
 
 __all__ = ["ForwardSink", "Task", "Transport", "pooled_everywhere"]
 
@@ -76,6 +76,7 @@ class Task:
         "fn",
         "function",
         "keep",
+        "key",
         "kwargs",
         "lent",
         "number",
@@ -101,6 +102,7 @@ class Task:
         self.copies: Sequence[Mapping] = ()  # those of them that are argument copies
         self.function: tuple[str, str] | None = None  # whose last results size what is lent
         self.lent: Sequence[Mapping] = ()  # warm segments lent for the result
+        self.key: tuple[Any, ...] | None = None  # whose run times it counts in (_batching)
 
     def __reduce__(self) -> Any:
         fn, args, kwargs = self.fn, self.args, self.kwargs or {}
@@ -218,6 +220,33 @@ class Transport:
         if ref is None:
             return None
         return pickle.dumps((ref, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def reduce_batch(self, ids: list[int], tasks: list[Task]) -> Any:
+        """How several calls travel in one message (``_loky.CallBatch``): a call of plain
+        arguments as ``(function index, args, kwargs)`` in the batch's one pickle, its
+        function once per batch (as ``plain_call`` would pickle it); any other call as
+        its :class:`Task`, reduced as when it goes alone (copies, loans, the pass)."""
+        functions: list[Any] = []
+        index: dict[int, int] = {}  # by id(fn): its place in functions, or -1: not plain
+        entries: list[Any] = []
+        for task in tasks:
+            fn, args, kwargs = task.fn, task.args, task.kwargs
+            if fn is None or args is None:
+                raise RuntimeError("this task was already completed")
+            at = index.get(id(fn))
+            if at is None:
+                ref = self.functions.plain_ref(fn) if type(fn) is types.FunctionType else None
+                at = index[id(fn)] = -1 if ref is None else len(functions)
+                if ref is not None:
+                    functions.append(ref)
+            plain = (
+                at >= 0
+                and (is_plain(args) or all(map(is_plain, args)))  # atoms: one look
+                and (not kwargs or all(map(is_plain, kwargs.values())))
+            )
+            entries.append((at, args, kwargs) if plain else task)
+        blob = pickle.dumps(functions, protocol=pickle.HIGHEST_PROTOCOL)
+        return load_batch, (ids, self.context(), blob, entries)
 
     def reuse(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
         """A live copy of the bytes ``raw`` that is a valid snapshot of them for ``task``,

@@ -40,7 +40,16 @@ from ._segments import Mapping
 from ._wire import BufferRef, Pickler, Reply, is_plain, loads
 from .errors import SegmentError
 
-__all__ = ["KeptMappings", "kept", "load_call", "run", "run_chunk", "run_initializer"]
+__all__ = [
+    "KeptMappings",
+    "kept",
+    "load_batch",
+    "load_call",
+    "run",
+    "run_batch",
+    "run_chunk",
+    "run_initializer",
+]
 
 
 def run_initializer(parent_pid: int, call: Any, sweeper: _tracking.SweeperAddress) -> None:
@@ -125,9 +134,38 @@ def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
 
 
 def run(call: Any) -> Any:
-    """Run a call in the worker and pack its result for the way back.
+    """Run a call in the worker and pack its result for the way back (:func:`_pack`).
 
-    The result takes the cheapest road that is still exact:
+    How long the function ran is noted for the parent (``_loky.note_run_seconds``),
+    which batches calls of functions measured short (``_batching``).
+    """
+    if type(call) is _Unloadable:
+        error, call.error = call.error, None  # loky's call item holds the call meanwhile
+        assert error is not None
+        _raise_picklable(error)
+        raise error  # with its traceback from load_call
+    (fn, args, kwargs), options, mapped, (token, lent) = call
+    call.clear()
+    start = time.perf_counter()
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as exc:
+        _raise_picklable(exc)
+        raise
+    finally:
+        _loky.note_run_seconds(time.perf_counter() - start)
+    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
+    return _pack(result, options, mapped, token, lent)
+
+
+def _pack(
+    result: Any,
+    options: Options,
+    mapped: list[tuple[str, weakref.ref[Any]]],
+    token: int,
+    lent: list[tuple[str, int]],
+) -> Any:
+    """A call's result, for the way back; the cheapest road that is still exact:
 
     * a plain value (``None``, a number, a string, bytes; or a short tuple or list of
       them) holds no buffer: it is returned as it is for loky to pickle, if the call
@@ -138,19 +176,6 @@ def run(call: Any) -> Any:
     * anything else: the backward pass of :mod:`sharexec._reduction` (which imports
       NumPy), where large buffers go to segments handed to the parent.
     """
-    if type(call) is _Unloadable:
-        error, call.error = call.error, None  # loky's call item holds the call meanwhile
-        assert error is not None
-        _raise_picklable(error)
-        raise error  # with its traceback from load_call
-    (fn, args, kwargs), options, mapped, (token, lent) = call
-    call.clear()
-    try:
-        result = fn(*args, **kwargs)
-    except Exception as exc:
-        _raise_picklable(exc)
-        raise
-    del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
     # The argument copies no view of this task holds any more: the parent may reuse them
     # (kept mappings show whatever the parent writes there, see KeptMappings).
     released = [name for name, ref in mapped if ref() is None]
@@ -170,6 +195,176 @@ def run(call: Any) -> Any:
     packed = dumps(result, BackwardSink(options, lent, kept.attach_lent))
     lost = _tracking.sweeper_lost()  # the pass may have created segments
     return Reply(packed.payload, packed.buffers, released, token, packed.keep, lost)
+
+
+# ---------------------------------------------------------------------------------------
+# Several calls in one message
+# ---------------------------------------------------------------------------------------
+
+
+def load_batch(ids: list[int], context: bytes, functions: bytes, entries: list[Any]) -> Any:
+    """Rebuild a batch of calls in the worker (``Transport.reduce_batch``): ``entries``
+    are ``(function index, args, kwargs)`` for calls of plain arguments, whose functions
+    are pickled once in ``functions``, and what :func:`load_call` rebuilt for the others.
+    """
+    options, (sweeper, generation), token = _context(context)
+    _tracking.join_sweeper(sweeper, generation)
+    try:
+        loaded: Any = pickle.loads(functions)
+    except Exception as exc:  # each call of these functions fails with it, alone
+        loaded = exc
+    return [ids, options, token, loaded, entries]
+
+
+def run_batch(batch: Any) -> _loky.BatchOutcome:
+    """Run a batch's calls in order, each with its own outcome and run time: a call that
+    raises fails alone, and the next one runs.
+
+    Outcomes stream: while a call runs longer than expected, the outcomes of the calls
+    before it are sent back without waiting for the batch's end (:class:`_Streamer`).
+    """
+    ids, options, token, functions, entries = batch
+    batch.clear()
+    outcome = _streamer.start()
+    clock = time.perf_counter
+    try:
+        _run_batch(ids, options, token, functions, entries, outcome, clock)
+    finally:
+        rest = _streamer.stop()
+    return rest
+
+
+def _run_batch(
+    ids: list[int],
+    options: Options,
+    token: int,
+    functions: Any,
+    entries: list[Any],
+    outcome: _Outcomes,
+    clock: Any,
+) -> None:
+    for at, work_id in enumerate(ids):
+        entry, entries[at] = entries[at], None  # dropped as soon as it ran
+        start = clock()
+        try:
+            if type(entry) is not tuple:
+                value = run(entry)
+            else:
+                index, args, kwargs = entry
+                del entry
+                if isinstance(functions, BaseException):
+                    raise functions.with_traceback(functions.__traceback__)
+                try:
+                    result = functions[index](*args, **(kwargs or {}))
+                except Exception as exc:
+                    _raise_picklable(exc)
+                    raise
+                del args, kwargs
+                value = _pack(result, options, [], token, [])
+                del result
+        except BaseException as exc:
+            outcome.add_failure(work_id, exc, clock() - start)
+            del exc
+        else:
+            outcome.add(work_id, value, clock() - start)
+            del value
+
+
+class _Outcomes:
+    """The outcomes of the running batch not sent yet, shared with the streamer's thread."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self.unsent = _loky.BatchOutcome()
+        self.since = 0.0  # time.monotonic() when the oldest unsent outcome was added
+
+    def add(self, work_id: int, value: Any, seconds: float) -> None:
+        with self.lock:
+            if not self.unsent:
+                self.since = time.monotonic()
+            self.unsent.add(work_id, value, seconds)
+
+    def add_failure(self, work_id: int, exc: BaseException, seconds: float) -> None:
+        with self.lock:
+            if not self.unsent:
+                self.since = time.monotonic()
+            self.unsent.add_failure(work_id, exc, seconds)
+
+    def take(self) -> _loky.BatchOutcome:
+        with self.lock:
+            taken, self.unsent = self.unsent, _loky.BatchOutcome()
+            return taken
+
+
+class _Streamer:
+    """Sends a batch's outcomes back while a later call of the batch runs long.
+
+    A batch is sized to end within a few ms, and its outcomes then go back together, as
+    the batch's result. If a call runs longer than that, a thread of this worker (a
+    daemon, started with the first batch) sends the outcomes of the calls before it
+    after ``STREAM_SECONDS``, so that they do not wait for it; the parent completes each
+    future as its outcome arrives, whichever message brings it.
+    """
+
+    STREAM_SECONDS = 0.005
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """As a new process (after fork): no batch, no thread."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(threading.Lock())
+        self._running: _Outcomes | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> _Outcomes:
+        outcomes = _Outcomes(self._lock)
+        with self._wake:
+            self._running = outcomes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._send_late, daemon=True)
+                self._thread.name = "sharexec-stream"
+                self._thread.start()
+            self._wake.notify()
+        return outcomes
+
+    def stop(self) -> _loky.BatchOutcome:
+        """The batch ended: what is left to send, as its result."""
+        with self._wake:
+            outcomes, self._running = self._running, None
+        assert outcomes is not None
+        return outcomes.take()
+
+    def _send_late(self) -> None:
+        while True:
+            with self._wake:
+                while self._running is None:
+                    self._wake.wait()
+                outcomes = self._running
+            wait = self.STREAM_SECONDS
+            with outcomes.lock:
+                if outcomes.unsent:
+                    wait = outcomes.since + self.STREAM_SECONDS - time.monotonic()
+            if wait > 0:
+                with self._wake:
+                    if self._running is outcomes:
+                        self._wake.wait(wait)
+                continue
+            late = outcomes.take()
+            if not late:
+                continue
+            try:
+                _loky.send_outcome(late)
+            except BaseException:
+                with outcomes.lock:  # the batch's end sends them, if it has not yet
+                    late.extend(outcomes.unsent)
+                    late.failed = late.failed or outcomes.unsent.failed
+                    outcomes.unsent = late
+
+
+_streamer = _Streamer()
+os.register_at_fork(after_in_child=_streamer.reset)
 
 
 def run_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:

@@ -213,3 +213,36 @@ def add(x: Any, y: Any) -> Any:
 def wait_for(event: Any) -> bool:
     """Block until ``event`` (a Manager's Event) is set."""
     return bool(event.wait(120))
+
+
+def block(event: Any, seconds: float = 0.0) -> bool:
+    """Run ``seconds``, then block until ``event`` (a Manager's Event) is set: with
+    ``seconds`` > 0, a function measured long."""
+    if seconds:
+        time.sleep(seconds)
+    return bool(event.wait(120))
+
+
+def mark(seen: np.ndarray, i: int) -> int:
+    """Record in the shared array ``seen`` that call ``i`` ran."""
+    seen[i] += 1
+    return i
+
+
+def exit_at(i: int, k: int) -> int:
+    """Return ``i``, or kill this worker if ``i == k``."""
+    if i == k:
+        os._exit(3)
+    return i
+
+
+def filled(n: int, value: float) -> np.ndarray:
+    """A fresh private array of ``n`` float64 equal to ``value``."""
+    return np.full(n, value)
+
+
+def wait_at(i: int, k: int, event: Any) -> int:
+    """Return ``i`` at once, unless ``i == k``: then wait for ``event`` first."""
+    if i == k:
+        event.wait(120)
+    return i

@@ -1,0 +1,349 @@
+"""Queued calls of functions measured short travel several in one message (issue 15).
+
+What batching must not change, each under every start method: every future gets its own
+result or exception; map's order; a queued call can be cancelled and then never runs; a
+long or unmeasured call goes alone, so nothing waits behind it; ``as_completed`` sees
+results as they come; a worker dying inside a batch fails that batch's calls with
+``BrokenProcessPool``; ``shutdown(cancel_futures=True)``; arrays in batched calls
+(segments per call, none left); the initializer; ``max_tasks_per_child`` and
+``batching=False`` turn it off.
+
+Batches are made to happen without timing: both workers are held by calls that block
+on an event while the calls under test queue up behind them; once released, the
+workers find a backlog of calls of a function measured short.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Iterator
+from concurrent.futures import CancelledError, as_completed, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from multiprocessing import get_context
+from typing import Any
+
+import numpy as np
+import pytest
+import workers
+
+import sharexec
+from sharexec import _batching, _config
+from sharexec._transport import Task, Transport
+from sharexec._worker import run, run_batch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@contextmanager
+def held(ex: sharexec.SharedProcessPoolExecutor, check: bool = True) -> Iterator[Any]:
+    """Both workers busy until the block ends (or ``release()``): calls submitted inside
+    queue up. Yields the release function. ``check``: that the blockers returned."""
+    with get_context("spawn").Manager() as manager:
+        go = manager.Event()
+        blockers = [ex.submit(workers.block, go) for _ in range(2)]
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                go.set()
+                wait(blockers, timeout=60)
+                assert not check or [b.result() for b in blockers] == [True, True]
+
+        try:
+            yield release
+        finally:
+            release()
+
+
+def measure(ex: sharexec.SharedProcessPoolExecutor, fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` once: from its result on, its run time is known."""
+    ex.submit(fn, *args).result()
+
+
+# ---------------------------------------------------------------------------------------
+# Own results and exceptions, order
+# ---------------------------------------------------------------------------------------
+
+
+def test_each_future_of_a_batch_gets_its_own_result_or_exception(executor):
+    measure(executor, workers.inverse, 1.0)
+    xs = list(range(-300, 300))
+    with held(executor):
+        futures = [executor.submit(workers.inverse, x) for x in xs]
+    for x, future in zip(xs, futures, strict=True):
+        if x == 0:
+            error = future.exception()
+            assert type(error) is ZeroDivisionError
+            assert "ZeroDivisionError" in str(error.__cause__)  # the worker's traceback
+        else:
+            assert future.result() == 1.0 / x
+    stats = executor.statistics()
+    assert stats.tasks_batched > 0, stats
+    assert stats.batches < stats.tasks_batched
+    assert stats.tasks_done == stats.tasks_submitted
+
+
+def test_map_keeps_the_order_and_raises_at_the_failing_item(executor):
+    measure(executor, workers.inverse, 1.0)
+    with held(executor):
+        results = executor.map(workers.add, range(1000), range(1000))
+        failing = executor.map(workers.inverse, [1.0, 2.0, 0.0, 4.0] * 100)
+    assert list(results) == [2 * i for i in range(1000)]
+    assert next(failing) == 1.0
+    assert next(failing) == 0.5
+    with pytest.raises(ZeroDivisionError):
+        next(failing)
+    assert executor.statistics().tasks_batched > 0
+
+
+# ---------------------------------------------------------------------------------------
+# Cancelling, shutting down
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_queued_call_is_cancelled_and_never_runs(executor):
+    seen = sharexec.zeros(3000, dtype=np.int64)
+    measure(executor, workers.mark, seen, 0)
+    seen[0] = 0
+    with held(executor):
+        futures = [executor.submit(workers.mark, seen, i) for i in range(len(seen))]
+        # The tail is still queued: a batch holds a few ms of work, at most 256 calls,
+        # and the call queue 5 of them.
+        assert all(f.cancel() for f in futures[-200:])
+    wait(futures, timeout=60)
+    assert all(f.cancelled() for f in futures[-200:])
+    assert [f.result() for f in futures[:-200]] == list(range(len(seen) - 200))
+    assert seen[:-200].tolist() == [1] * (len(seen) - 200)  # each ran once
+    assert not seen[-200:].any()  # no cancelled call ran
+    assert executor.statistics().tasks_batched > 0
+    del seen
+
+
+def test_shutdown_cancel_futures_with_batches_queued(start_method, no_leaks):
+    ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+    measure(ex, workers.add, 1, 1)
+    with get_context("spawn").Manager() as manager:
+        go = manager.Event()
+        # The calls below queue up behind the blockers (a few may take the call queue's
+        # free places); once the blockers end, the backlog leaves in batches.
+        blockers = [ex.submit(workers.block, go) for _ in range(5)]
+        futures = [ex.submit(workers.add, i, 1) for i in range(20_000)]
+        go.set()
+        assert [b.result() for b in blockers] == [True] * 5
+        # Batches are in the call queue (running, as the stdlib's queued calls), the
+        # rest is queued: cancelled.
+        ex.shutdown(wait=True, cancel_futures=True)
+    cancelled = [f for f in futures if f.cancelled()]
+    ran = [(i, f) for i, f in enumerate(futures) if not f.cancelled()]
+    assert cancelled, "nothing was left to cancel"
+    assert ran, "no batch was on its way"
+    assert all(f.result() == i + 1 for i, f in ran)  # each its own result
+    assert ex.statistics().tasks_batched > 0
+    with pytest.raises(CancelledError):
+        cancelled[-1].result()
+
+
+def test_map_calls_cancelled_by_shutdown_raise_cancelled_error(start_method, no_leaks):
+    ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+    measure(ex, workers.add, 1, 1)
+    processes = ex._pool_processes()
+    with held(ex):
+        results = ex.map(workers.add, range(3000), range(3000))
+        ex.shutdown(wait=False, cancel_futures=True)  # the queued calls: cancelled now
+    got = []
+    with pytest.raises(CancelledError):
+        for value in results:  # the calls that ran, in order, then a cancelled one
+            got.append(value)
+    assert got == [2 * i for i in range(len(got))]
+    assert len(got) < 3000
+    for process in processes:  # shut down without waiting: they exit meanwhile
+        process.join(60)
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing waits behind a long call
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["unmeasured", "measured long"])
+def test_a_long_call_goes_alone_and_holds_no_call(start_method, no_leaks, kind):
+    """A blocking call at the head of a backlog of short calls: if it led (or joined) a
+    batch, the calls sent with it would wait for it. They all end while it blocks."""
+    with (
+        sharexec.SharedProcessPoolExecutor(2, mp_context=start_method) as ex,
+        get_context("spawn").Manager() as manager,
+    ):
+        measure(ex, workers.add, 1, 1)
+        if kind == "measured long":
+            ready = manager.Event()
+            ready.set()
+            measure(ex, workers.block, ready, 0.01)  # 10 ms: long
+        go = manager.Event()
+        with held(ex):
+            before = [ex.submit(workers.add, i, 0) for i in range(500)]
+            long_call = ex.submit(workers.block, go)
+            after = [ex.submit(workers.add, i, 0) for i in range(500)]
+        done, _ = wait(before + after, timeout=60)  # while the long call blocks
+        assert len(done) == 1000
+        assert [f.result() for f in before + after] == [*range(500), *range(500)]
+        assert not long_call.done()
+        assert ex.statistics().tasks_batched > 0
+        go.set()
+        assert long_call.result() is True
+
+
+def test_a_batch_streams_the_outcomes_before_a_call_that_blocks(executor):
+    """A call of a function measured short blocks inside a batch: the calls before it
+    in that batch come back while it blocks (not at the batch's end)."""
+    with get_context("spawn").Manager() as manager:
+        go = manager.Event()
+        measure(executor, workers.wait_at, 0, -1, go)
+        with held(executor):
+            futures = [executor.submit(workers.wait_at, i, 500, go) for i in range(1000)]
+        done, _ = wait(futures[:500], timeout=60)
+        assert len(done) == 500  # while call 500 blocks
+        assert not futures[500].done()
+        go.set()
+        assert [f.result() for f in futures] == list(range(1000))
+    assert executor.statistics().tasks_batched > 0
+
+
+def test_as_completed_sees_results_as_they_come(executor):
+    measure(executor, workers.add, 1, 1)
+    with get_context("spawn").Manager() as manager:
+        go = manager.Event()
+        with held(executor):
+            long_call = executor.submit(workers.block, go)
+            short = [executor.submit(workers.add, i, 0) for i in range(1000)]
+        seen = []
+        for future in as_completed([long_call, *short], timeout=60):
+            seen.append(future)
+            if len(seen) == len(short):
+                break  # every short call came while the long one still blocks
+        assert long_call not in seen
+        go.set()
+        assert long_call.result() is True
+    assert executor.statistics().tasks_batched > 0
+
+
+def test_the_estimate_goes_up_at_once_and_down_slowly():
+    transport = Transport(_config.Options())
+    policy = _batching.Batching(transport, 2, run, run_batch)
+    task = Task(workers.add, (1, 2), {}, transport)
+    assert policy.cost(run, (task,)) is None  # never measured: alone
+    policy.measured(run, (task,), 1e-6)
+    assert policy.cost(run, (task,)) == pytest.approx(1e-6 + _batching.PER_CALL_SECONDS)
+    policy.measured(run, (task,), 0.05)  # one long run: alone from its next call on
+    assert policy.cost(run, (task,)) is None
+    for _ in range(40):
+        policy.measured(run, (task,), 1e-6)
+    assert policy.cost(run, (task,)) is not None
+    other = Task(workers.identity, (1,), {}, transport)  # another function: unmeasured
+    assert policy.cost(run, (other,)) is None
+    assert policy.limit(3) == 0  # too few waiting to share between 2 workers
+    assert policy.limit(10**6) == _batching.BATCH_CALLS
+    task.release()
+    other.release()
+    transport.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Failures: a dead worker, a call that cannot be pickled
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_worker_dying_inside_a_batch_breaks_its_calls_only_with_broken_pool(
+    start_method, no_leaks
+):
+    with sharexec.SharedProcessPoolExecutor(2, mp_context=start_method) as ex:
+        measure(ex, workers.exit_at, 0, -1)
+        with held(ex, check=False) as release:  # the pool may break before they are read
+            futures = [ex.submit(workers.exit_at, i, 1500) for i in range(3000)]
+            release()
+        done, _ = wait(futures, timeout=60)
+        assert len(done) == len(futures)  # none hangs
+        assert isinstance(futures[1500].exception(), BrokenProcessPool)
+        for i, future in enumerate(futures):
+            error = future.exception()
+            assert (error is None and future.result() == i) or isinstance(error, BrokenProcessPool)
+        assert ex.statistics().tasks_batched > 0
+
+
+def test_a_call_that_cannot_be_pickled_fails_alone_in_its_batch(executor):
+    measure(executor, workers.identity, 1)
+    with held(executor):
+        futures = [executor.submit(workers.identity, i) for i in range(400)]
+        bad = executor.submit(workers.identity, threading.Lock())
+        futures += [executor.submit(workers.identity, i) for i in range(400)]
+    assert [f.result() for f in futures] == [*range(400), *range(400)]
+    error = bad.exception()
+    assert isinstance(error, (pickle.PicklingError, TypeError)), error
+    assert executor.statistics().tasks_batched > 0
+
+
+# ---------------------------------------------------------------------------------------
+# Arrays, initializer, switches
+# ---------------------------------------------------------------------------------------
+
+
+def test_arrays_in_batched_calls_travel_per_call_and_leave_no_segment(executor):
+    n = 64 * 1024  # 512 KiB: above min_share_bytes, both ways
+    arrays = [np.full(n, float(i)) for i in range(40)]
+    measure(executor, workers.total, arrays[1])
+    measure(executor, workers.filled, n, 1.0)
+    with held(executor):
+        sums = [executor.submit(workers.total, a) for a in arrays]
+        made = [executor.submit(workers.filled, n, float(i)) for i in range(40)]
+    assert [f.result() for f in sums] == [float(i * n) for i in range(40)]
+    for i, future in enumerate(made):
+        result = future.result()
+        assert result.shape == (n,) and result[0] == result[-1] == float(i)
+    stats = executor.statistics()
+    assert stats.tasks_batched > 0 and stats.bytes_copied > 0, stats
+    del made, future, result  # the results' segments go (the fixture checks none is left)
+
+
+def test_batched_calls_see_the_initializer(start_method, no_leaks):
+    table = np.arange(100_000.0)
+    shared = sharexec.zeros(4)
+    with sharexec.SharedProcessPoolExecutor(
+        2, mp_context=start_method, initializer=workers.init_worker, initargs=(table, shared)
+    ) as ex:
+        measure(ex, workers.read_initialized)
+        with held(ex):
+            futures = [ex.submit(workers.read_initialized) for _ in range(500)]
+        first = futures[0].result()
+        assert all(f.result() == first for f in futures)
+        assert ex.statistics().tasks_batched > 0
+    del shared
+
+
+@pytest.mark.parametrize("how", ["option", "max_tasks_per_child"])
+def test_batching_is_off_with_the_option_or_max_tasks_per_child(start_method, no_leaks, how):
+    if how == "max_tasks_per_child" and start_method == "fork":
+        pytest.skip("max_tasks_per_child is refused with fork")
+    kwargs: dict[str, Any] = (
+        {"batching": False} if how == "option" else {"max_tasks_per_child": 1000}
+    )
+    with sharexec.SharedProcessPoolExecutor(2, mp_context=start_method, **kwargs) as ex:
+        measure(ex, workers.add, 1, 1)
+        with held(ex):
+            futures = [ex.submit(workers.add, i, 1) for i in range(300)]
+        assert [f.result() for f in futures] == [i + 1 for i in range(300)]
+        assert ex.statistics().tasks_batched == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("0", False), ("false", False), ("1", True), ("yes", True)]
+)
+def test_the_batching_variable(value, expected):
+    assert _config.Options.resolve({}, {"SHAREXEC_BATCHING": value}).batching is expected
+
+
+def test_a_bad_batching_value_is_refused():
+    with pytest.raises(sharexec.ConfigError, match="SHAREXEC_BATCHING"):
+        _config.Options.resolve({}, {"SHAREXEC_BATCHING": "sometimes"})
