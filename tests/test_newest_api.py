@@ -209,16 +209,20 @@ def test_terminate_and_kill_workers_as_the_stdlib_and_leave_nothing(
 
 def test_terminate_workers_sends_sigterm_and_kill_workers_sigkill(start_method, no_leaks):
     for operation, signum in [("terminate_workers", signal.SIGTERM), ("kill_workers", 9)]:
+        threads = set(threading.enumerate())
         ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
         assert ex.submit(workers.identity, 1).result() == 1
         processes = ex._pool_processes()
         assert processes
+        threads = set(threading.enumerate()) - threads  # loky's manager and feeder
         getattr(ex, operation)()
-        deadline = time.monotonic() + 30
+        # The manager thread reaps the workers. Their exit codes are read after it has
+        # ended, never beside it: a forkserver child's code comes once, through a pipe,
+        # and a second reader at the same time gets 255.
+        for thread in threads:
+            thread.join(30)
+            assert not thread.is_alive()
         for process in processes:
-            # loky's manager thread reaps its workers too: wait until one of us has
-            while process.exitcode is None and time.monotonic() < deadline:
-                process.join(0.1)
             assert process.exitcode == -signum
         ex.shutdown()
 
