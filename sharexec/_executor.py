@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 
 from . import _tracking
 from ._config import Options
-from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
+from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context, warm_context
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, RebuildFailure
 from ._worker import run, run_chunk, run_initializer
@@ -70,7 +70,10 @@ T = TypeVar("T")
 
 def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
     if mp_context is None:
-        context: BaseContext = get_context()  # loky's own start method
+        # Forks of sharexec's warm server (see _loky.warm_context), started now so that
+        # it imports while the caller goes on: the first worker is a fork of it.
+        context: BaseContext = warm_context()
+        context.start_server()  # type: ignore[attr-defined]
         return context
     if isinstance(mp_context, str):
         if mp_context == "fork":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import faults_plugin
 import pytest
-from conftest import assert_none_left, descendants, segments_now
+from conftest import assert_none_left, descendants, method_id, segments_now
 
 import sharexec
 
@@ -33,7 +33,7 @@ import sharexec
 from sharexec import _tracking
 from concurrent.futures.process import BrokenProcessPool
 
-METHOD = sys.argv[1]
+METHOD = None if sys.argv[1] == "default" else sys.argv[1]  # None: sharexec's default
 FIFO_DIR = sys.argv[2] if len(sys.argv) > 2 else None
 
 def started():
@@ -97,7 +97,7 @@ def run_scenario(tmp_path: Path, body: str, method: str, **kwargs):
     script.write_text(PRELUDE + textwrap.dedent(body))
     before = segments_now()
     proc = subprocess.Popen(
-        [sys.executable, str(script), method, str(tmp_path)],
+        [sys.executable, str(script), method_id(method), str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -503,7 +503,7 @@ def in_small_shm(
             f'{setup} exec "$0" "$@"',
             sys.executable,
             str(path),
-            method,
+            method_id(method),
         ],
         capture_output=True,
         text=True,
