@@ -165,7 +165,11 @@ class SharedProcessPoolExecutor(LokyExecutor):
         Number of worker processes; defaults to the number of usable CPUs.
     mp_context : multiprocessing context or str, optional
         A :mod:`multiprocessing` context, or a start method name (``"spawn"``,
-        ``"fork"``, ``"forkserver"``, ``"loky"``). Defaults to loky's start method.
+        ``"fork"``, ``"forkserver"``, ``"loky"``). By default, workers are forks of a
+        server of sharexec's own, started once per process, that imported sharexec's
+        worker side and NumPy: no fork of this process, warm workers. Under every
+        method, workers start on demand (a call finding no idle worker starts one, up
+        to ``max_workers``).
     initializer : callable, optional
         Called in each new worker with ``initargs``; its arguments are shared like a
         task's.

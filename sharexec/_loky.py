@@ -10,9 +10,15 @@ package sees the small surface below, with plain names:
   lines on loky's state: ``_flags``, ``_pending_work_items``, ``_work_ids``,
   ``_queue_count``, the manager thread's wake-up); the pool's state read through
   ``_pool_broken``, ``_pool_shut_down``, ``_pool_max_workers``, ``_pool_processes()`` and
-  ``_pending_futures()``; the workers it starts, reported to ``_workers_started(pids)``
-  (loky's ``_adjust_process_count`` and ``_processes``); and the two queue subclasses
-  below, swapped in as loky creates its queues.
+  ``_pending_futures()``; the workers it starts, on demand (loky's
+  ``_adjust_process_count``, which would start them all at once, starts at most one per
+  call not done, each as loky does: ``_process_worker`` and its arguments), reported to
+  ``_workers_started(pids)``; and the two queue subclasses below, swapped in as loky
+  creates its queues.
+* :func:`warm_context`, sharexec's default start method: multiprocessing's forkserver
+  with a server of sharexec's own (a second ``ForkServer``, preloading
+  :data:`WARM_PRELOAD`), whose ``Popen`` asks that server for the fork and tells the
+  child nothing of the main module.
 * The queues, subclasses of loky's (:class:`_CallQueue`, :class:`_ResultQueue`): loky
   pickles every item it puts on a queue with a fresh cloudpickle pickler, whose set-up
   (a copied dispatch table) costs about 15 µs, more than the rest of a tiny task's trip
