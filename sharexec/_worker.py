@@ -83,9 +83,10 @@ def load_call(
     # root started one again.
     _tracking.join_sweeper(sweeper, generation)
     holders: dict[str, Any] = {}
+    shared_holders: dict[str, Any] = {}  # the holders of this call's shared views
     kept.drop_unlinked()
     try:
-        with _tracking.attached_shared() as shared:
+        with _tracking.attached_shared(shared_holders) as shared:
             call = loads(payload, buffers, kept.hold_copy, holders)
     except Exception as exc:
         # This runs while loky unpickles the call item, where an exception breaks the
@@ -96,7 +97,15 @@ def load_call(
     if shared:
         kept.keep_shared(shared)
     # A list, so that run() can empty it: loky's call item holds it during the call.
-    return [call, options, [(n, weakref.ref(h)) for n, h in holders.items()], (token, lent)]
+    # Its shared arrays are reported released too, once no view of this call holds
+    # them: the parent may then serve their segments again (_arrays.Recycling).
+    return [
+        call,
+        options,
+        [(n, weakref.ref(h)) for n, h in holders.items()],
+        (token, lent),
+        [(n, weakref.ref(h)) for n, h in shared_holders.items()],
+    ]
 
 
 class _Unloadable:
@@ -143,7 +152,7 @@ def run(call: Any) -> Any:
         assert error is not None
         _raise_picklable(error)
         raise error  # with its traceback from load_call
-    (fn, args, kwargs), options, mapped, (token, lent) = call
+    (fn, args, kwargs), options, mapped, (token, lent), shared = call
     call.clear()
     try:
         result = fn(*args, **kwargs)
@@ -156,9 +165,11 @@ def run(call: Any) -> Any:
     released = [name for name, ref in mapped if ref() is None]
     if mapped:
         kept.after_task(released)
+    if shared:
+        released += [name for name, ref in shared if ref() is None]
     lost = _tracking.sweeper_lost()  # the root restarts the sweeper if it is gone
     if is_plain(result):
-        if not mapped and not lost:  # nothing to tell the parent but the value
+        if not mapped and not shared and not lost:  # nothing to tell but the value
             return result
         return Reply(pickle.dumps(result, protocol=5), [], released, token, lost=lost)
     if "numpy" not in sys.modules:

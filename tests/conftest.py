@@ -194,6 +194,12 @@ def no_leaks() -> Iterator[None]:
     before = segments_now()
     yield
     gc.collect()
+    # The process's warm segments of collected shared arrays, served again to the next
+    # allocation, are held by design (bounded, dropped after WARM_IDLE_SECONDS): dropped
+    # now, each must be gone.
+    from sharexec._arrays import recycling
+
+    recycling.clear()
     assert_none_left(segments_now() - before)
     if workers_left():
         faults_plugin.crashed("processes left behind")
