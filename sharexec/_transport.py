@@ -11,8 +11,9 @@ segments its payload refers to until its future is done (:meth:`Task.release`).
 * :class:`Functions`: functions pickled once per executor;
 * :class:`CopyCache`: which copy holds which bytes, for which tasks it is a valid
   snapshot, and which tasks in flight hold each copy;
-* :class:`SegmentPool`: warm segments (pages already faulted in) no task holds, reused
-  for the next copies and lent for results, bounded in bytes and in age;
+* a :class:`~sharexec._warm.SegmentPool`: warm segments (pages already faulted in) no
+  task holds, reused for the next copies and lent for results, bounded in bytes and in
+  age;
 * :class:`ResultLoans`: warm segments lent to tasks for their results, sized after the
   function's last results, and the receiver (``_wire.Receiver``) of every result: a
   result's segment goes to the pool once the result is collected;
