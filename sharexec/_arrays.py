@@ -284,12 +284,19 @@ class Recycling:
         return holder
 
     def hold(self, mapping: Mapping) -> np.ndarray:
-        """The holder of a segment just allocated, whose collection frees it."""
+        """The holder of a segment just allocated, whose collection frees it.
+
+        Not in a worker: its arrays go back to the parent or die with their task, its
+        warm memory is its kept mappings, and it may exit (``os._exit``) with a pool
+        nobody would unlink but the sweeper.
+        """
+        holder = np.frombuffer(mapping, np.uint8)
+        if _tracking.in_worker():
+            return holder
         if self._pool is None:
             with self._lock:
                 if self._pool is None:
                     self._pool = SegmentPool(pool_limit())
-        holder = np.frombuffer(mapping, np.uint8)
         with self._lock:
             self._states[id(mapping)] = _State()
         weakref.finalize(holder, self._collected, mapping)

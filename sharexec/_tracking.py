@@ -73,10 +73,12 @@ __all__ = [
     "attach_private",
     "attach_shared",
     "attached_shared",
+    "call_holders",
     "check_sweeper",
     "find_shared",
     "forget",
     "hand_off",
+    "in_worker",
     "join_sweeper",
     "live",
     "new_private",
@@ -803,8 +805,18 @@ def _start_sweeper(address: bytes | None) -> tuple[bytes, int, socket.socket]:
 # ---------------------------------------------------------------------------------------
 
 
+_in_worker = False  # set by watch_parent, in every worker as it starts
+
+
+def in_worker() -> bool:
+    """Whether this process is a worker of a sharexec executor (or a child of one)."""
+    return _in_worker
+
+
 def watch_parent(parent_pid: int) -> None:
     """In a worker: exit at once if ``parent_pid`` dies, instead of running its queue."""
+    global _in_worker
+    _in_worker = True
     if not hasattr(os, "pidfd_open"):  # pragma: no cover - not Linux
         return
     try:
