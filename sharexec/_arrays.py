@@ -258,8 +258,9 @@ class Recycling:
     it: the tasks it was passed to (by reference) must all be done, and each one's
     worker must have said that no view of that call is left there (``_worker.run``'s
     ``released``); it must never have gone through any other door (multiprocessing's or
-    loky's pickler, a result sent back by a worker, a fork while it lived). Otherwise it
-    is dropped as before (unlinked once no mapping is left here).
+    loky's pickler, a fork while it lived). Otherwise it is dropped as before (unlinked
+    once no mapping is left here). Only outside workers (see :meth:`hold`): a worker's
+    shared arrays are freed as before.
 
     Taken again by :meth:`take` for a size it fits (at most twice as big), it is zeroed
     (or left for the caller to fill), so an array never shows another array's bytes.

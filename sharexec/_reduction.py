@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from . import _tracking
-from ._arrays import SharedArray, byte_bounds, rebuild_view, recycling, reduce_shared
+from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
 from ._segments import Mapping
 from ._wire import BufferRef, Pickler
@@ -391,9 +391,7 @@ class BackwardSink(Sink):
         self.attach_lent = attach_lent
 
     def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
-        # A shared array this worker allocated goes to the parent's care. Either way,
-        # the receiver may keep it: its segment never serves an allocation here again.
-        recycling.escaped(mapping)
+        # A shared array this worker allocated goes to the parent's care.
         return _tracking.owns(mapping)
 
     def segment(self, size: int) -> Mapping | None:
