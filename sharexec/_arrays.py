@@ -303,12 +303,14 @@ class Recycling:
         weakref.finalize(holder, self._collected, mapping)
         return holder
 
-    def sent(self, mapping: Mapping) -> None:
-        """A task in flight refers to ``mapping`` now (by reference)."""
+    def sent(self, mappings: Any) -> None:
+        """A task in flight refers to ``mappings`` now (the shared ones by reference),
+        until :meth:`done` for the same list."""
         with self._lock:
-            state = self._states.get(id(mapping))
-            if state is not None:
-                state.tasks += 1
+            for mapping in mappings:
+                state = self._states.get(id(mapping))
+                if state is not None:
+                    state.tasks += 1
 
     def done(self, mappings: Any, released: frozenset[str]) -> None:
         """A task referring to ``mappings`` is done; ``released``: the segments of which

@@ -132,6 +132,8 @@ class Task:
         if self.copies:
             transport.let_go(self.copies, frozenset())
         self.keep, self.copies = packed.keep, packed.copies  # until release()
+        if self.keep:  # its shared arrays serve no allocation again before release()
+            recycling.sent(self.keep)
         if self.copies:
             transport.copies.hold(self.copies)
         return packed.payload, packed.buffers
@@ -383,7 +385,6 @@ class ForwardSink(Sink):
         # What the task can reach through this view: its elements, and never more than
         # the segment (a broadcast view, stride 0, has more elements than bytes).
         self.count("bytes_by_reference", min(nbytes, len(mapping)))
-        recycling.sent(mapping)  # until the task is done (Task.release)
         return False
 
     def place(self, raw: memoryview, low: int) -> Mapping | None:
