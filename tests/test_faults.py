@@ -474,6 +474,8 @@ if __name__ == "__main__":
         )
     del a, doubled, shared
     import gc; gc.collect()
+    sharexec._arrays.recycling.clear()  # its warm segments (a freed shared array's)
+    gc.collect()
     print("exact", exact)
     print("warnings", sum(issubclass(w.category, sharexec.SharexecWarning) for w in caught))
     print("left", _segments.listdir())
