@@ -34,7 +34,24 @@ from sharexec import _tracking
 from concurrent.futures.process import BrokenProcessPool
 
 METHOD = None if sys.argv[1] == "default" else sys.argv[1]  # None: sharexec's default
+
 FIFO_DIR = sys.argv[2] if len(sys.argv) > 2 else None
+
+
+def rendezvous(folder, n):
+    # this worker's pid, once n distinct workers have run this
+    import time
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    while len(os.listdir(folder)) < n:
+        time.sleep(0.001)
+    return os.getpid()
+
+
+def both_up(ex, n=2):
+    # have ex start n workers now (they start on demand)
+    folder = os.path.join(FIFO_DIR, "up")
+    os.mkdir(folder)
+    assert len(set(ex.map(rendezvous, [folder] * n, [n] * n))) == n
 
 def started():
     # tell the test this task runs (with its segments mapped), then wait to be let go
@@ -637,7 +654,7 @@ def test_a_frozen_worker_is_ended_once_the_parent_is_gone(start_method, tmp_path
         if __name__ == "__main__":
             _sweeper.WAIT_FOR_MEMBERS = 2.0  # read when the sweeper starts
             ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
-            assert ex.submit(abs, -1).result() == 1
+            both_up(ex)  # workers start on demand: both, now
             print("workers", *ex._processes, flush=True)
             futures = [ex.submit(hold, np.ones(1_000_000)) for _ in range(4)]
             announce_sweeper()
