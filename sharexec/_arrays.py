@@ -36,7 +36,7 @@ import numpy.typing as npt
 from loky.backend import reduction as loky_reduction
 
 from . import _tracking
-from ._config import Options
+from ._config import DEFAULT_MIN_SHARE_BYTES, Options
 from ._segments import Mapping
 from ._warm import SegmentPool, pool_limit
 
@@ -289,10 +289,12 @@ class Recycling:
 
         Not in a worker: its arrays go back to the parent or die with their task, its
         warm memory is its kept mappings, and it may exit (``os._exit``) with a pool
-        nobody would unlink but the sweeper.
+        nobody would unlink but the sweeper. Not below ``DEFAULT_MIN_SHARE_BYTES``.
         """
         holder = np.frombuffer(mapping, np.uint8)
-        if _tracking.in_worker():
+        if _tracking.in_worker() or len(mapping) < DEFAULT_MIN_SHARE_BYTES:
+            # Small ones too are freed at once: their fresh pages cost microseconds, and
+            # the pool's places (WARM_SEGMENTS) are for the large ones.
             return holder
         if self._pool is None:
             with self._lock:
