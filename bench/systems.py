@@ -61,6 +61,16 @@ class System:
     def shutdown(self) -> None:
         raise NotImplementedError
 
+    def first_result(self) -> None:
+        """Start, and wait for one call's result only (timed as "start-up, first")."""
+        self.start_pool()
+        if self.call_all(ready.pid, [()])[0] == os.getpid():
+            raise RuntimeError(f"{self.name}: the call ran in the parent")
+
+    def start_pool(self) -> None:
+        """Make the pool, without waiting for any worker."""
+        raise NotImplementedError
+
     def wait_ready(self) -> None:
         folder = tempfile.mkdtemp(prefix="sharexec-bench-ready-")
         try:
@@ -128,6 +138,9 @@ class ExecutorSystem(System):
         self.ex = self.make_executor()
         self.wait_ready()
 
+    def start_pool(self) -> None:
+        self.ex = self.make_executor()
+
     def shutdown(self) -> None:
         self.ex.shutdown(wait=True)
 
@@ -139,13 +152,23 @@ class ExecutorSystem(System):
         return self.ex.map(fn, *iterables)
 
 
+def context_of(method: str) -> Any:
+    """The stdlib's context for ``method``; None for ``default`` (each system's own)."""
+    return None if method == "default" else multiprocessing.get_context(method)
+
+
 class Stdlib(ExecutorSystem):
     name = "stdlib"
     notes: ClassVar[dict[str, str]] = {"W4": "slices returned, assembled in the parent"}
 
+    @classmethod
+    def method_note(cls, method: str) -> str:
+        if method == "default":
+            return f"its default, {multiprocessing.get_start_method()}"
+        return ""
+
     def make_executor(self) -> cf.Executor:
-        context = multiprocessing.get_context(self.method)
-        return cf.ProcessPoolExecutor(N_WORKERS, mp_context=context)
+        return cf.ProcessPoolExecutor(N_WORKERS, mp_context=context_of(self.method))
 
 
 class Loky(ExecutorSystem):
@@ -156,7 +179,7 @@ class Loky(ExecutorSystem):
         import loky
 
         # The stdlib's context object: loky's get_context("fork") warns.
-        context = multiprocessing.get_context(self.method)
+        context = context_of(self.method)
         executor: cf.Executor = loky.ProcessPoolExecutor(N_WORKERS, context=context)
         return executor
 
@@ -168,7 +191,12 @@ class Sharexec(ExecutorSystem):
     def make_executor(self) -> cf.Executor:
         import sharexec
 
-        return sharexec.SharedProcessPoolExecutor(N_WORKERS, mp_context=self.method)
+        method = None if self.method == "default" else self.method
+        return sharexec.SharedProcessPoolExecutor(N_WORKERS, mp_context=method)
+
+    @classmethod
+    def method_note(cls, method: str) -> str:
+        return "its default, forks of its warm server" if method == "default" else ""
 
     def w4(self, n: int, parts: int = 16) -> list[float]:
         import sharexec
@@ -210,7 +238,8 @@ class Joblib(System):
     name = "joblib"
     notes: ClassVar[dict[str, str]] = {"W4": "slices returned, assembled in the parent"}
     LOKY_FOR: ClassVar[dict[str, str]] = {
-        "spawn": "loky"
+        "spawn": "loky",
+        "default": "loky",
     }  # start method asked -> the one joblib is run with
 
     @classmethod
@@ -222,13 +251,16 @@ class Joblib(System):
         return ""
 
     def start(self) -> None:
+        self.start_pool()
+        self.wait_ready()
+
+    def start_pool(self) -> None:
         from joblib.externals.loky.backend import context
 
         if self.method == "fork":
             raise Unsupported("loky's reusable executor refuses fork")
         _shutdown_joblib_executor()
         context.set_start_method(self.LOKY_FOR.get(self.method, self.method), force=True)
-        self.wait_ready()
 
     def shutdown(self) -> None:
         _shutdown_joblib_executor()

@@ -5,6 +5,13 @@ Defines the public allocators (:func:`empty`, :func:`zeros`, …, :func:`share`,
 rebuild an array view from a buffer and its geometry (offset, shape, strides, dtype),
 used on both sides of every transfer.
 
+Allocations are served warm when they can be: the segment of a collected shared array
+that no other process may still see goes to the process's pool of warm segments
+(:data:`recycling`), and the next allocation of a size it fits is that segment, zeroed (or
+filled) at memory speed instead of paying fresh page faults. Never another array's bytes:
+:func:`zeros` and :func:`empty` zero it, :func:`full` and :func:`share` overwrite every
+element.
+
 Why a subclass: shared arrays must also travel by reference through
 :mod:`multiprocessing`'s own pickler (``Process`` arguments, ``Queue``, ``Pool``), whose
 reducers are looked up by exact type, and through loky's. Registering a reducer for
@@ -18,6 +25,8 @@ import math
 import operator
 import os
 import tempfile
+import threading
+import weakref
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, SupportsIndex
@@ -27,8 +36,9 @@ import numpy.typing as npt
 from loky.backend import reduction as loky_reduction
 
 from . import _tracking
-from ._config import Options
+from ._config import DEFAULT_MIN_SHARE_BYTES, Options
 from ._segments import Mapping
+from ._warm import SegmentPool, pool_limit
 
 __all__ = [
     "SharedArray",
@@ -42,6 +52,7 @@ __all__ = [
     "ones_like",
     "rebuild_shared",
     "rebuild_view",
+    "recycling",
     "share",
     "zeros",
     "zeros_like",
@@ -139,9 +150,20 @@ def rebuild_shared(
     adopt: bool,
     writeable: bool = True,
 ) -> SharedArray:
-    """Rebuild a view of a shared array from its segment's name and its geometry."""
+    """Rebuild a view of a shared array from its segment's name and its geometry.
+
+    Inside a worker's call (``_tracking.attached_shared`` with holders), the view is
+    built over the call's own holder of the segment, by which the worker tells the
+    parent once no view of the call is left (see :class:`Recycling`).
+    """
     mapping = _tracking.attach_shared(name, size, adopt)
-    view: SharedArray = SharedArray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
+    holders = _tracking.call_holders()
+    buffer: Any = mapping
+    if holders is not None:
+        buffer = holders.get(name)
+        if buffer is None:
+            buffer = holders[name] = np.frombuffer(mapping, np.uint8)
+    view: SharedArray = SharedArray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
     view.flags.writeable = writeable  # a read-only view stays read-only everywhere
     return view
 
@@ -165,13 +187,17 @@ def _reduce_for_multiprocessing(a: SharedArray) -> Any:
     found = _tracking.find_shared(*byte_bounds(a))
     if found is None:
         return a.view(np.ndarray).__reduce__()
+    recycling.escaped(found[0])  # a process may keep it that never tells us
     return reduce_shared(a, found[0])
 
 
 _registered_with_multiprocessing = False
 
 
-def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: Literal["C", "F"]) -> SharedArray:
+def _new(
+    shape: ShapeLike, dtype: npt.DTypeLike, order: Literal["C", "F"], filled: bool = False
+) -> SharedArray:
+    """A new shared array; zeroed unless ``filled`` (the caller writes every element)."""
     global _registered_with_multiprocessing
     if not _registered_with_multiprocessing:
         # Both are public registration hooks for exact types: multiprocessing's pickler
@@ -191,12 +217,183 @@ def _new(shape: ShapeLike, dtype: npt.DTypeLike, order: Literal["C", "F"]) -> Sh
     )
     if any(n < 0 for n in shape):
         raise ValueError("negative dimensions are not allowed")
-    spill_to = Options.resolve({}).temp_folder or tempfile.gettempdir()
-    mapping = _tracking.new_shared(math.prod(shape) * dtype.itemsize, spill_to)
-    if os.path.isabs(mapping.name):
-        _tracking.warn_fallback(_tracking.spilled(mapping.name, "shared arrays are allocated in"))
-    array: SharedArray = SharedArray(shape, dtype, buffer=mapping, order=order)
+    nbytes = math.prod(shape) * dtype.itemsize
+    holder = recycling.take(nbytes, filled)
+    if holder is None:
+        spill_to = Options.resolve({}).temp_folder or tempfile.gettempdir()
+        mapping = _tracking.new_shared(nbytes, spill_to)
+        if os.path.isabs(mapping.name):
+            _tracking.warn_fallback(
+                _tracking.spilled(mapping.name, "shared arrays are allocated in")
+            )
+        holder = recycling.hold(mapping)
+    array: SharedArray = SharedArray(shape, dtype, buffer=holder, order=order)
     return array
+
+
+# ---------------------------------------------------------------------------------------
+# Warm allocations
+# ---------------------------------------------------------------------------------------
+
+
+class _State:
+    """What decides whether a shared segment allocated here may serve again."""
+
+    __slots__ = ("clean", "collected", "mapping", "tasks")
+
+    def __init__(self) -> None:
+        self.tasks = 0  # tasks in flight that refer to it
+        self.clean = True  # no other process may hold a view of it
+        self.collected = False  # no view of it is left in this process
+        self.mapping: Mapping | None = None  # once collected, until the last task is done
+
+
+class Recycling:
+    """The segments of this process's shared arrays, served again once free.
+
+    Every array :func:`_new` makes is built over a *holder* of its segment (an array of
+    its bytes): when the holder is collected, no view of it is left here. The segment
+    then goes to this process's pool of warm segments (a :class:`~sharexec._warm.
+    SegmentPool`, with the executors' bounds), unless another process may still see
+    it: the tasks it was passed to (by reference) must all be done, and each one's
+    worker must have said that no view of that call is left there (``_worker.run``'s
+    ``released``); it must never have gone through any other door (multiprocessing's or
+    loky's pickler, a fork while it lived). Otherwise it is dropped as before (unlinked
+    once no mapping is left here). Only outside workers (see :meth:`hold`): a worker's
+    shared arrays are freed as before.
+
+    Taken again by :meth:`take` for a size it fits (at most twice as big), it is zeroed
+    (or left for the caller to fill), so an array never shows another array's bytes.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: the finalizers run at any allocation
+        self._pool: SegmentPool | None = None  # made at the first allocation
+        # The state of each segment allocated here that may serve again, by the
+        # mapping's id (the mapping is alive as long as the entry), e.g. {1401: _State}.
+        self._states: dict[int, _State] = {}
+
+    def take(self, nbytes: int, filled: bool) -> np.ndarray | None:
+        """A holder of a warm segment for ``nbytes``, zeroed unless ``filled``; or None."""
+        pool = self._pool
+        mapping = pool.take(nbytes) if pool is not None and nbytes else None
+        if mapping is None:
+            return None
+        holder = self.hold(mapping)
+        if not filled:
+            holder[:nbytes] = 0
+        return holder
+
+    def hold(self, mapping: Mapping) -> np.ndarray:
+        """The holder of a segment just allocated, whose collection frees it.
+
+        Not in a worker: its arrays go back to the parent or die with their task, its
+        warm memory is its kept mappings, and it may exit (``os._exit``) with a pool
+        nobody would unlink but the sweeper. Not below ``DEFAULT_MIN_SHARE_BYTES``.
+        """
+        holder = np.frombuffer(mapping, np.uint8)
+        if _tracking.in_worker() or len(mapping) < DEFAULT_MIN_SHARE_BYTES:
+            # Small ones too are freed at once: their fresh pages cost microseconds, and
+            # the pool's places (WARM_SEGMENTS) are for the large ones.
+            return holder
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = SegmentPool(pool_limit())
+        with self._lock:
+            self._states[id(mapping)] = _State()
+        weakref.finalize(holder, self._collected, mapping)
+        return holder
+
+    def sent(self, mappings: Any) -> None:
+        """A task in flight refers to ``mappings`` now (the shared ones by reference),
+        until :meth:`done` for the same list."""
+        with self._lock:
+            for mapping in mappings:
+                state = self._states.get(id(mapping))
+                if state is not None:
+                    state.tasks += 1
+
+    def done(self, mappings: Any, released: frozenset[str]) -> None:
+        """A task referring to ``mappings`` is done; ``released``: the segments of which
+        its worker holds no view of that call."""
+        free = []
+        with self._lock:
+            for mapping in mappings:
+                state = self._states.get(id(mapping))
+                if state is None or state.tasks == 0:
+                    continue
+                state.tasks -= 1
+                state.clean = state.clean and mapping.name in released
+                if state.tasks == 0 and state.collected:
+                    free.append(self._finish(mapping))
+        self._put(free)
+
+    def escaped(self, mapping: Mapping) -> None:
+        """``mapping`` went where no release is reported: it never serves again."""
+        with self._lock:
+            state = self._states.get(id(mapping))
+            if state is not None:
+                state.clean = False
+
+    def before_fork(self) -> None:
+        # A forked child inherits every mapping, and never tells.
+        with self._lock:
+            for state in self._states.values():
+                state.clean = False
+
+    def after_fork_in_child(self) -> None:
+        # The child serves nothing of its parent's: its own arrays start afresh.
+        self._lock = threading.RLock()
+        self._states = {}
+        self._pool = None
+
+    def clear(self) -> None:
+        """Drop every pooled segment now (each is unlinked once no mapping is left)."""
+        pool = self._pool
+        if pool is not None:
+            pool.clear()
+
+    def names(self) -> list[str]:
+        """The names of the pooled segments."""
+        pool = self._pool
+        return pool.names() if pool is not None else []
+
+    def totals(self) -> tuple[int, int]:
+        """Segments in the pool now, and their total size."""
+        pool = self._pool
+        return pool.totals() if pool is not None else (0, 0)
+
+    def _collected(self, mapping: Mapping) -> None:
+        free = []
+        with self._lock:
+            state = self._states.get(id(mapping))
+            if state is None:
+                return
+            state.collected = True
+            state.mapping = mapping  # kept until the tasks in flight are done
+            if state.tasks == 0:
+                free.append(self._finish(mapping))
+        self._put(free)
+
+    def _finish(self, mapping: Mapping) -> Mapping | None:
+        """``mapping`` is free here and in flight nowhere: poolable or not (lock held)."""
+        state = self._states.pop(id(mapping))
+        state.mapping = None
+        if state.clean and not os.path.isabs(mapping.name):  # never a file on disk
+            return mapping
+        return None
+
+    def _put(self, free: list[Mapping | None]) -> None:
+        pool = self._pool
+        for mapping in free:
+            if mapping is not None and pool is not None:
+                pool.put(mapping)  # outside our lock: the pool's is of the same level
+
+
+# The process's one: every shared array allocated here is built over its holders.
+recycling = Recycling()
+os.register_at_fork(before=recycling.before_fork, after_in_child=recycling.after_fork_in_child)
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,7 +418,9 @@ def empty(
     Returns
     -------
     SharedArray
-        The array. A new segment reads as zeros, so :func:`zeros` costs no more.
+        The array, which reads as zeros (never another array's bytes: a fresh segment
+        is zeroed by the system, a warm one served again by sharexec), so :func:`zeros`
+        costs no more.
     """
     return _new(shape, dtype, order)
 
@@ -243,7 +442,8 @@ def zeros(
     Returns
     -------
     SharedArray
-        The array; fresh segments are zero-filled by the operating system.
+        The array; a fresh segment is zero-filled by the operating system, a warm one
+        (the segment of a collected shared array, served again) by sharexec.
     """
     return _new(shape, dtype, order)
 
@@ -296,7 +496,7 @@ def full(
     """
     if dtype is None:
         dtype = np.array(fill_value).dtype
-    a = _new(shape, dtype, order)
+    a = _new(shape, dtype, order, filled=True)
     np.copyto(a, fill_value, casting="unsafe")
     return a
 
@@ -422,7 +622,7 @@ def full_like(
     SharedArray
         The array.
     """
-    a = _new(*_like_args(prototype, dtype, order, shape))
+    a = _new(*_like_args(prototype, dtype, order, shape), filled=True)
     np.copyto(a, fill_value, casting="unsafe")
     return a
 
@@ -445,6 +645,6 @@ def share(a: npt.ArrayLike) -> SharedArray:
     arr = np.asarray(a)
     if is_shared(arr):
         return arr if isinstance(arr, SharedArray) else arr.view(SharedArray)
-    out = empty_like(arr)
+    out = _new(*_like_args(arr, None, "K", None), filled=True)
     np.copyto(out, arr)
     return out

@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 from . import _tracking
 from ._batching import Batching
 from ._config import Options
-from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
+from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context, warm_context
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, RebuildFailure
 from ._worker import run, run_batch, run_chunk, run_initializer
@@ -71,7 +71,10 @@ T = TypeVar("T")
 
 def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
     if mp_context is None:
-        context: BaseContext = get_context()  # loky's own start method
+        # Forks of sharexec's warm server (see _loky.warm_context), started now so that
+        # it imports while the caller goes on: the first worker is a fork of it.
+        context: BaseContext = warm_context()
+        context.start_server()  # type: ignore[attr-defined]
         return context
     if isinstance(mp_context, str):
         if mp_context == "fork":
@@ -172,7 +175,11 @@ class SharedProcessPoolExecutor(LokyExecutor):
         Number of worker processes; defaults to the number of usable CPUs.
     mp_context : multiprocessing context or str, optional
         A :mod:`multiprocessing` context, or a start method name (``"spawn"``,
-        ``"fork"``, ``"forkserver"``, ``"loky"``). Defaults to loky's start method.
+        ``"fork"``, ``"forkserver"``, ``"loky"``). By default, workers are forks of a
+        server of sharexec's own, started once per process, that imported sharexec's
+        worker side and NumPy: no fork of this process, warm workers. Under every
+        method, workers start on demand (a call finding no idle worker starts one, up
+        to ``max_workers``).
     initializer : callable, optional
         Called in each new worker with ``initargs``; its arguments are shared like a
         task's.

@@ -10,9 +10,15 @@ package sees the small surface below, with plain names:
   lines on loky's state: ``_flags``, ``_pending_work_items``, ``_work_ids``,
   ``_queue_count``, the manager thread's wake-up); the pool's state read through
   ``_pool_broken``, ``_pool_shut_down``, ``_pool_max_workers``, ``_pool_processes()`` and
-  ``_pending_futures()``; the workers it starts, reported to ``_workers_started(pids)``
-  (loky's ``_adjust_process_count`` and ``_processes``); and the two queue subclasses
-  below, swapped in as loky creates its queues.
+  ``_pending_futures()``; the workers it starts, on demand (loky's
+  ``_adjust_process_count``, which would start them all at once, starts at most one per
+  call not done, each as loky does: ``_process_worker`` and its arguments), reported to
+  ``_workers_started(pids)``; and the two queue subclasses below, swapped in as loky
+  creates its queues.
+* :func:`warm_context`, sharexec's default start method: multiprocessing's forkserver
+  with a server of sharexec's own (a second ``ForkServer``, preloading
+  :data:`WARM_PRELOAD`), whose ``Popen`` asks that server for the fork and tells the
+  child nothing of the main module.
 * The queues, subclasses of loky's (:class:`_CallQueue`, :class:`_ResultQueue`): loky
   pickles every item it puts on a queue with a fresh cloudpickle pickler, whose set-up
   (a copied dispatch table) costs about 15 µs, more than the rest of a tiny task's trip
@@ -58,11 +64,14 @@ queues).
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import errno
 import gc
 import importlib
+import io
 import multiprocessing
+import os
 import pickle
 import queue
 import threading
@@ -71,7 +80,12 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import _base as futures_base
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver as mp_forkserver
+from multiprocessing import popen_forkserver as mp_popen_forkserver
 from multiprocessing import queues as mp_queues
+from multiprocessing import reduction as mp_reduction
+from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
 from typing import Any, Protocol
 
@@ -84,6 +98,7 @@ from loky.backend import reduction as loky_reduction
 __all__ = [
     "DISPATCH_TABLE",
     "SUPPORTED_LOKY",
+    "WARM_PRELOAD",
     "BatchOutcome",
     "BatchPolicy",
     "CallBatch",
@@ -95,6 +110,7 @@ __all__ = [
     "note_run_seconds",
     "remote_exception",
     "send_outcome",
+    "warm_context",
 ]
 
 # The loky versions sharexec is tested with, as pyproject.toml pins them.
@@ -186,6 +202,43 @@ def _problems() -> list[str]:
         ),
         *_uses(pe, "ProcessPoolExecutor._ensure_executor_running", "_adjust_process_count"),
         *_uses(pe, "_ExecutorManagerThread.process_result_item", "_adjust_process_count"),
+        # Workers started on demand: one started as loky's _adjust_process_count does.
+        *_has(pe, "_process_worker", "_CURRENT_DEPTH"),
+        *_takes(
+            pe,
+            "_process_worker",
+            "call_queue",
+            "result_queue",
+            "initializer",
+            "initargs",
+            "processes_management_lock",
+            "timeout",
+            "worker_exit_lock",
+            "current_depth",
+        ),
+        *_assigns(
+            pe,
+            "ProcessPoolExecutor",
+            "_context",
+            "_env",
+            "_initializer",
+            "_initargs",
+            "_processes_management_lock",
+            "_timeout",
+        ),
+        *_uses(pe, "_ExecutorManagerThread.process_result_item", "_worker_exit_lock"),
+        *_uses(pe, "_ExecutorManagerThread.shutdown_workers", "_worker_exit_lock"),
+        *_uses(pe, "_ExecutorManagerThread.wait_result_broken_or_wakeup", "processes"),
+        # The warm start method: multiprocessing's forkserver, a server of our own.
+        *_has(mp_context, "ForkServerContext", "ForkServerProcess", "set_spawning_popen"),
+        *_has(mp_forkserver, "ForkServer.ensure_running", "read_signed", "main"),
+        *_has(mp_popen_forkserver, "Popen._launch", "Popen.duplicate_for_child"),
+        *_has(mp_spawn, "get_preparation_data"),
+        *_has(mp_util, "close_fds"),
+        *_assigns(mp_forkserver, "ForkServer", "_forkserver_alive_fd", "_forkserver_pid"),
+        *_assigns(mp_popen_forkserver, "Popen", "_fds"),
+        *_takes(mp_forkserver, "ForkServer.connect_to_new_process", "self", "fds"),
+        *_takes(mp_forkserver, "ForkServer.set_forkserver_preload", "self", "modules_names"),
         # The queues: loky's, multiprocessing's feeder rebuilt, recycling.
         *_has(pe, "_SafeQueue._on_queue_feeder_error", "_CallItem", "_ResultItem"),
         *_has(pe, "_RecycledWorkerPid", "_SafeQueue.__getstate__", "_SafeQueue.__setstate__"),
@@ -467,13 +520,47 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         self._result_queue.__class__ = _ResultQueue
 
     def _adjust_process_count(self) -> None:
-        # loky starts workers here (at a submit, or in its manager thread to replace
-        # recycled ones), and lists them in _processes by pid.
-        before = set(self._processes)
-        super()._adjust_process_count()
-        started = [pid for pid in self._processes if pid not in before]
+        # loky calls this (under _processes_management_lock) at a submit while the pool
+        # is not full, and in its manager thread to replace a worker that left with
+        # work pending. loky would start every worker at once; here, as the standard
+        # library does for spawn and forkserver since 3.9, workers start on demand: at
+        # most one per call not done yet (pending or running), up to max_workers. A
+        # call submitted after the previous one's result finds that worker idle and
+        # starts none.
+        wanted = min(self._max_workers, len(self._pending_work_items))
+        started = []
+        while len(self._processes) < wanted:
+            started.append(self._start_worker())
         if started:
+            # The manager thread watches the workers it listed when it last began to
+            # wait: it must list the new ones too, to notice if one dies.
+            self._executor_manager_thread_wakeup.wakeup()
             self._workers_started(started)
+
+    def _start_worker(self) -> int:
+        """Start one worker as loky's ``_adjust_process_count`` does; its pid."""
+        exit_lock = self._context.BoundedSemaphore(1)
+        exit_lock.acquire()  # released by loky when the worker is to exit
+        args = (
+            self._call_queue,
+            self._result_queue,
+            self._initializer,
+            self._initargs,
+            self._processes_management_lock,
+            self._timeout,
+            exit_lock,
+            process_executor._CURRENT_DEPTH + 1,
+        )
+        target = process_executor._process_worker
+        if self._env is not None:  # loky's own start method sets it before any import
+            process = self._context.Process(target=target, args=args, env=self._env)
+        else:
+            process = self._context.Process(target=target, args=args)
+        process._worker_exit_lock = exit_lock
+        process.start()
+        pid: int = process.pid
+        self._processes[pid] = process
+        return pid
 
     def _workers_started(self, pids: list[int]) -> None:
         """Hook: loky started these worker processes."""
@@ -801,6 +888,108 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
         else:
             gone = set(done)
             running[:] = [work_id for work_id in running if work_id not in gone]
+
+
+# ---------------------------------------------------------------------------------------
+# The default start method: forks of a warm server
+# ---------------------------------------------------------------------------------------
+
+# What sharexec's server imports once, so that every worker forked from it starts warm:
+# the worker's side (loky's worker loop, cloudpickle, our queues) and the backward pass,
+# hence NumPy. Names only: this module imports none of them.
+WARM_PRELOAD = ("sharexec._worker", "sharexec._reduction")
+
+
+class _WarmServer:
+    """sharexec's own fork server: multiprocessing's ``ForkServer``, a second instance.
+
+    Not the module's global one, which belongs to the user (``mp_context="forkserver"``
+    and ``set_forkserver_preload`` keep their meaning). Started by the first warm
+    process, as multiprocessing starts its own (a fresh interpreter, fork + exec, so a
+    parent's threads are no hazard); its only thread is the main one (NumPy's OpenBLAS
+    joins its pool at fork), so each worker is a fork of a single-threaded process. It
+    exits when the last process holding its "alive" pipe (this one, its workers) has.
+    """
+
+    def __init__(self) -> None:
+        self.server = mp_forkserver.ForkServer()
+        self.server.set_forkserver_preload(list(WARM_PRELOAD))
+
+    def start(self) -> None:
+        """Start the server now if it is not running: it imports while we go on."""
+        self.server.ensure_running()
+
+    def after_fork_in_child(self) -> None:
+        # A forked child of this process cannot wait for its parent's server: it starts
+        # its own, if it ever needs one. Its copy of the "alive" pipe goes at once.
+        alive: int | None = getattr(self.server, "_forkserver_alive_fd", None)
+        self.server = mp_forkserver.ForkServer()
+        self.server.set_forkserver_preload(list(WARM_PRELOAD))
+        if alive is not None:
+            with contextlib.suppress(OSError):
+                os.close(alive)
+
+
+_warm_server = _WarmServer()
+os.register_at_fork(after_in_child=_warm_server.after_fork_in_child)
+
+
+class _WarmPopen(mp_popen_forkserver.Popen):
+    """multiprocessing's forkserver ``Popen``, asking sharexec's server for the fork.
+
+    The child is told nothing of the parent's main module (as loky's start method):
+    its code reaches workers inside pickles, so no script is imported again, and a
+    script needs no ``if __name__ == "__main__"`` guard for it.
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        data = mp_spawn.get_preparation_data(process_obj._name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        buffer = io.BytesIO()
+        mp_context.set_spawning_popen(self)  # fds the process carries go with the request
+        try:
+            mp_reduction.dump(data, buffer)
+            mp_reduction.dump(process_obj, buffer)
+        finally:
+            mp_context.set_spawning_popen(None)
+        fds: list[int] = self._fds  # type: ignore[attr-defined]  # duplicate_for_child's
+        self.sentinel, write = _warm_server.server.connect_to_new_process(fds)
+        # The child takes the closing of this pipe's write end for its parent's death:
+        # one copy stays open for as long as this object lives.
+        kept = os.dup(write)
+        close_fds = mp_util.close_fds  # type: ignore[attr-defined]
+        self.finalizer = mp_util.Finalize(self, close_fds, (kept, self.sentinel))
+        with open(write, "wb", closefd=True) as pipe:
+            pipe.write(buffer.getbuffer())
+        self.pid = mp_forkserver.read_signed(self.sentinel)
+
+
+class _WarmProcess(mp_context.ForkServerProcess):
+    _start_method = "forkserver"
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _WarmPopen:
+        return _WarmPopen(process_obj)
+
+
+class _WarmContext(mp_context.ForkServerContext):
+    """A forkserver context whose processes are forks of sharexec's warm server."""
+
+    Process = _WarmProcess
+
+    def start_server(self) -> None:
+        """Start the server (if it is not running), so that it warms up meanwhile."""
+        _warm_server.start()
+
+
+_warm = _WarmContext()
+
+
+def warm_context() -> Any:
+    """sharexec's default start method: forks of a server that imported
+    :data:`WARM_PRELOAD` (a ``forkserver`` context; see :class:`_WarmServer`)."""
+    return _warm
 
 
 # ---------------------------------------------------------------------------------------

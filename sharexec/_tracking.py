@@ -58,6 +58,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 from . import _segments, _sweeper
 from ._segments import Mapping
@@ -72,10 +73,12 @@ __all__ = [
     "attach_private",
     "attach_shared",
     "attached_shared",
+    "call_holders",
     "check_sweeper",
     "find_shared",
     "forget",
     "hand_off",
+    "in_worker",
     "join_sweeper",
     "live",
     "new_private",
@@ -399,14 +402,27 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
 
 
 @contextlib.contextmanager
-def attached_shared() -> Iterator[list[Mapping]]:
-    """The shared segments this thread maps (or finds mapped) within the block."""
+def attached_shared(holders: dict[str, Any] | None = None) -> Iterator[list[Mapping]]:
+    """The shared segments this thread maps (or finds mapped) within the block.
+
+    With ``holders``, the views rebuilt in the block are built over one holder per
+    segment, recorded there by name (see :func:`call_holders`).
+    """
     seen: list[Mapping] = []
     _registry.attaching.shared = seen
+    _registry.attaching.holders = holders
     try:
         yield seen
     finally:
         _registry.attaching.shared = None
+        _registry.attaching.holders = None
+
+
+def call_holders() -> dict[str, Any] | None:
+    """Inside :func:`attached_shared` with holders: the holders of the segments, by name,
+    over which this thread rebuilds shared views (``_arrays.rebuild_shared``)."""
+    holders: dict[str, Any] | None = getattr(_registry.attaching, "holders", None)
+    return holders
 
 
 def attach_private(name: str, size: int) -> Mapping:
@@ -789,8 +805,18 @@ def _start_sweeper(address: bytes | None) -> tuple[bytes, int, socket.socket]:
 # ---------------------------------------------------------------------------------------
 
 
+_in_worker = False  # set by watch_parent, in every worker as it starts
+
+
+def in_worker() -> bool:
+    """Whether this process is a worker of a sharexec executor (or a child of one)."""
+    return _in_worker
+
+
 def watch_parent(parent_pid: int) -> None:
     """In a worker: exit at once if ``parent_pid`` dies, instead of running its queue."""
+    global _in_worker
+    _in_worker = True
     if not hasattr(os, "pidfd_open"):  # pragma: no cover - not Linux
         return
     try:

@@ -11,8 +11,9 @@ segments its payload refers to until its future is done (:meth:`Task.release`).
 * :class:`Functions`: functions pickled once per executor;
 * :class:`CopyCache`: which copy holds which bytes, for which tasks it is a valid
   snapshot, and which tasks in flight hold each copy;
-* :class:`SegmentPool`: warm segments (pages already faulted in) no task holds, reused
-  for the next copies and lent for results, bounded in bytes and in age;
+* a :class:`~sharexec._warm.SegmentPool`: warm segments (pages already faulted in) no
+  task holds, reused for the next copies and lent for results, bounded in bytes and in
+  age;
 * :class:`ResultLoans`: warm segments lent to tasks for their results, sized after the
   function's last results, and the receiver (``_wire.Receiver``) of every result: a
   result's segment goes to the pool once the result is collected;
@@ -30,9 +31,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
-import shutil
 import threading
-import time
 import types
 import weakref
 from collections import Counter, OrderedDict
@@ -44,10 +43,12 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _segments, _tracking, _wire
-from ._config import WARM_BYTES, WARM_IDLE_SECONDS, WARM_SEGMENTS, Options
+from . import _tracking, _wire
+from ._arrays import recycling
+from ._config import Options
 from ._reduction import Packed, Sink, argument_owner, dumps
 from ._segments import Mapping
+from ._warm import SegmentPool, pool_limit, pooled_everywhere
 from ._wire import BufferRef, Delivered, is_plain, load_function
 from ._worker import load_batch, load_call
 
@@ -128,9 +129,13 @@ class Task:
         given = frozenset(id(x) for x in (*args, *kwargs.values()) if isinstance(x, np.ndarray))
         transport = self.transport
         packed = dumps(call, ForwardSink(transport, self.number), given)
-        if self.copies:  # a previous reduction's
+        if self.keep:  # a previous reduction's
+            recycling.done(self.keep, frozenset())
+        if self.copies:
             transport.let_go(self.copies, frozenset())
         self.keep, self.copies = packed.keep, packed.copies  # until release()
+        if self.keep:  # its shared arrays serve no allocation again before release()
+            recycling.sent(self.keep)
         if self.copies:
             transport.copies.hold(self.copies)
         return packed.payload, packed.buffers
@@ -142,6 +147,8 @@ class Task:
         """
         self.fn = self.args = self.kwargs = None
         transport = self.transport
+        if self.keep:  # the shared arrays among them may serve again once collected
+            recycling.done(self.keep, delivered.released if delivered else frozenset())
         if self.copies:
             transport.let_go(self.copies, delivered.released if delivered else frozenset())
         self.keep, self.copies = (), ()
@@ -180,7 +187,7 @@ class Transport:
         self._lock = threading.RLock()  # see the module's docstring
         self.functions = Functions(self)
         self.copies = CopyCache(self.number)
-        self.pool = SegmentPool(_pool_limit())
+        self.pool = SegmentPool(pool_limit())
         self.loans = ResultLoans(self.pool)
         self.token = next(_tokens)  # by which results find self.loans (_wire.load_result)
         _wire.register(self.token, self.loans)
@@ -283,16 +290,6 @@ class Transport:
     def close(self) -> None:
         """The executor is shut down: drop the pool; segments coming back are dropped."""
         self.pool.close()
-
-
-def _pool_limit() -> int:
-    """Bytes of warm segments an executor keeps: a quarter of shared memory, at most
-    ``WARM_BYTES``."""
-    try:
-        total = shutil.disk_usage(_segments.SHM_FOLDER).total
-    except OSError:
-        return 0
-    return min(WARM_BYTES, total // 4)
 
 
 # ---------------------------------------------------------------------------------------
@@ -610,103 +607,6 @@ def _dead() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Warm segments
-# ---------------------------------------------------------------------------------------
-
-
-class SegmentPool:
-    """Segments no task holds and no worker maps any more, whose pages are already
-    faulted in: a memcpy into them runs ~10x faster than into fresh shared pages.
-
-    Bounded in bytes (``limit``), in count (``count``: each pooled segment is a name in
-    the shared-memory folder and a mapping here) and in age (``WARM_IDLE_SECONDS``): a
-    timer trims it while it holds anything, so an idle executor does not keep its warm
-    segments. A segment dropped from the pool is unlinked (its handle is collected).
-    Once closed (the executor shut down), nothing comes in any more.
-    """
-
-    def __init__(self, limit: int, count: int = WARM_SEGMENTS) -> None:
-        self._limit = limit
-        self._count = count
-        self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
-        _pools.add(self)
-        # Oldest first, with the time each came in, e.g. [(<Mapping>, 5012.5)], and
-        # their total size in bytes, e.g. 8000000.
-        self._pool: list[tuple[Mapping, float]] = []
-        self._bytes = 0
-        self._closed = False
-        self._trimmer: threading.Timer | None = None  # trims the pool once idle
-
-    def put(self, mapping: Mapping) -> None:
-        """A segment is free again (unless the pool is closed: then it is dropped)."""
-        with self._lock:
-            if not self._closed:
-                self._pool.append((mapping, time.monotonic()))
-                self._bytes += len(mapping)
-                self._trim()
-
-    def take(self, size: int) -> Mapping | None:
-        """The smallest pooled segment to hold ``size`` bytes (at most twice as big)."""
-        with self._lock:
-            self._trim()
-            fits = [entry for entry in self._pool if size <= len(entry[0]) <= 2 * size]
-            if not fits:
-                return None
-            entry = min(fits, key=lambda e: len(e[0]))
-            self._pool.remove(entry)
-            self._bytes -= len(entry[0])
-        return entry[0]
-
-    def remove(self, mapping: Mapping) -> None:
-        """Take ``mapping`` out of the pool, if it is there."""
-        with self._lock:
-            self._pool = [e for e in self._pool if e[0] is not mapping]
-            self._bytes = sum(len(m) for m, _ in self._pool)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._pool)
-
-    def names(self) -> list[str]:
-        """Names of the segments in the pool."""
-        with self._lock:
-            return [m.name for m, _ in self._pool]
-
-    def totals(self) -> tuple[int, int]:
-        """How many segments the pool holds now, and their total size in bytes."""
-        with self._lock:
-            return len(self._pool), sum(len(m) for m, _ in self._pool)
-
-    def close(self) -> None:
-        """Drop every pooled segment; none comes in any more."""
-        with self._lock:
-            self._closed = True
-            self._pool = []
-            self._bytes = 0
-            if self._trimmer is not None:
-                self._trimmer.cancel()
-                self._trimmer = None
-
-    def _trim(self) -> None:
-        """Drop pooled segments idle too long, or beyond the limits (lock held)."""
-        old = time.monotonic() - WARM_IDLE_SECONDS
-        if self._pool and self._pool[0][1] < old:  # oldest first: any to drop is in front
-            self._pool = [(m, t) for m, t in self._pool if t >= old]
-            self._bytes = sum(len(m) for m, _ in self._pool)
-        while self._pool and (self._bytes > self._limit or len(self._pool) > self._count):
-            self._bytes -= len(self._pool.pop(0)[0])
-        if self._pool and self._trimmer is None and not self._closed:
-            self._trimmer = threading.Timer(WARM_IDLE_SECONDS, self._trim_later)
-            self._trimmer.daemon = True
-            self._trimmer.start()
-
-    def _trim_later(self) -> None:
-        with self._lock:
-            self._trimmer = None
-            self._trim()
-
-
-# ---------------------------------------------------------------------------------------
 # Results coming back
 # ---------------------------------------------------------------------------------------
 
@@ -790,17 +690,6 @@ class ResultLoans:
             lent = name in self._lent
         if not lent:
             _tracking.forget(name)
-
-
-# Every executor's pool in this process: the segments this process owns less these are
-# the ones that hold live data (statistics()).
-_pools: weakref.WeakSet[SegmentPool] = weakref.WeakSet()
-
-
-def pooled_everywhere() -> tuple[int, int]:
-    """Segments in the pools of every executor of this process, and their total size."""
-    totals = [pool.totals() for pool in list(_pools)]
-    return sum(n for n, _ in totals), sum(size for _, size in totals)
 
 
 def _put_back(pool: weakref.ref[SegmentPool], mapping: Mapping) -> None:

@@ -92,9 +92,10 @@ def load_call(
     # root started one again.
     _tracking.join_sweeper(sweeper, generation)
     holders: dict[str, Any] = {}
+    shared_holders: dict[str, Any] = {}  # the holders of this call's shared views
     kept.drop_unlinked()
     try:
-        with _tracking.attached_shared() as shared:
+        with _tracking.attached_shared(shared_holders) as shared:
             call = loads(payload, buffers, kept.hold_copy, holders)
     except Exception as exc:
         # This runs while loky unpickles the call item, where an exception breaks the
@@ -105,7 +106,15 @@ def load_call(
     if shared:
         kept.keep_shared(shared)
     # A list, so that run() can empty it: loky's call item holds it during the call.
-    return [call, options, [(n, weakref.ref(h)) for n, h in holders.items()], (token, lent)]
+    # Its shared arrays are reported released too, once no view of this call holds
+    # them: the parent may then serve their segments again (_arrays.Recycling).
+    return [
+        call,
+        options,
+        [(n, weakref.ref(h)) for n, h in holders.items()],
+        (token, lent),
+        [(n, weakref.ref(h)) for n, h in shared_holders.items()],
+    ]
 
 
 class _Unloadable:
@@ -144,7 +153,7 @@ def run(call: Any) -> Any:
         assert error is not None
         _raise_picklable(error)
         raise error  # with its traceback from load_call
-    (fn, args, kwargs), options, mapped, (token, lent) = call
+    (fn, args, kwargs), options, mapped, (token, lent), shared = call
     call.clear()
     start = time.perf_counter()
     try:
@@ -155,7 +164,7 @@ def run(call: Any) -> Any:
     finally:
         _loky.note_run_seconds(time.perf_counter() - start)
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
-    return _pack(result, options, mapped, token, lent)
+    return _pack(result, options, mapped, token, lent, shared)
 
 
 def _pack(
@@ -164,6 +173,7 @@ def _pack(
     mapped: list[tuple[str, weakref.ref[Any]]],
     token: int,
     lent: list[tuple[str, int]],
+    shared: list[tuple[str, weakref.ref[Any]]],
 ) -> Any:
     """A call's result, for the way back; the cheapest road that is still exact:
 
@@ -181,9 +191,11 @@ def _pack(
     released = [name for name, ref in mapped if ref() is None]
     if mapped:
         kept.after_task(released)
+    if shared:
+        released += [name for name, ref in shared if ref() is None]
     lost = _tracking.sweeper_lost()  # the root restarts the sweeper if it is gone
     if is_plain(result):
-        if not mapped and not lost:  # nothing to tell the parent but the value
+        if not mapped and not shared and not lost:  # nothing to tell but the value
             return result
         return Reply(pickle.dumps(result, protocol=5), [], released, token, lost=lost)
     if "numpy" not in sys.modules:
@@ -260,7 +272,7 @@ def _run_batch(
                     _raise_picklable(exc)
                     raise
                 del args, kwargs
-                value = _pack(result, options, [], token, [])
+                value = _pack(result, options, [], token, [], [])
                 del result
         except BaseException as exc:
             outcome.add_failure(work_id, exc, clock() - start)

@@ -19,7 +19,8 @@ import pytest
 import sharexec
 from sharexec import _segments
 
-START_METHODS = ["spawn", "fork", "forkserver", "loky"]
+# None: sharexec's default (forks of its warm server), test id "default".
+START_METHODS: list[str | None] = ["spawn", "fork", "forkserver", "loky", None]
 
 # See session_site/sharexec_test_members.py: every Python process this session starts
 # records itself there as it starts, so that a segment whose creator is dead can be told
@@ -159,19 +160,31 @@ def segments_now() -> set[str]:
     return names
 
 
-@pytest.fixture(params=START_METHODS)
-def start_method(request: pytest.FixtureRequest) -> str:
-    """Every behaviour is tested under each start method."""
-    return str(request.param)
+def method_id(method: str | None) -> str:
+    """A start method as a test id or a script's argument: ``default`` for None."""
+    return "default" if method is None else method
+
+
+@pytest.fixture(params=START_METHODS, ids=method_id)
+def start_method(request: pytest.FixtureRequest) -> str | None:
+    """Every behaviour is tested under each start method, and sharexec's default (None:
+    the ``mp_context`` a user who passes none gets)."""
+    method: str | None = request.param
+    return method
 
 
 @pytest.fixture
-def mp_context(start_method: str) -> multiprocessing.context.BaseContext:
+def mp_context(start_method: str | None) -> multiprocessing.context.BaseContext:
     """A multiprocessing context for the start method (loky's own for "loky")."""
     if start_method == "loky":
         from loky.backend.context import get_context
 
         return get_context("loky")
+    if start_method is None:
+        from sharexec._loky import warm_context
+
+        context: multiprocessing.context.BaseContext = warm_context()
+        return context
     return multiprocessing.get_context(start_method)
 
 
@@ -181,6 +194,12 @@ def no_leaks() -> Iterator[None]:
     before = segments_now()
     yield
     gc.collect()
+    # The process's warm segments of collected shared arrays, served again to the next
+    # allocation, are held by design (bounded, dropped after WARM_IDLE_SECONDS): dropped
+    # now, each must be gone.
+    from sharexec._arrays import recycling
+
+    recycling.clear()
     assert_none_left(segments_now() - before)
     if workers_left():
         faults_plugin.crashed("processes left behind")
@@ -194,7 +213,9 @@ def assert_none_left(left: set[str]) -> None:
 
 
 @pytest.fixture
-def executor(start_method: str, no_leaks: None) -> Iterator[sharexec.SharedProcessPoolExecutor]:
+def executor(
+    start_method: str | None, no_leaks: None
+) -> Iterator[sharexec.SharedProcessPoolExecutor]:
     """A 2-worker executor, shut down (waiting) on teardown; nothing may be left after."""
     ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
     try:

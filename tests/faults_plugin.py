@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 ENV = "SHAREXEC_FAULTS_REPORT"
-START_METHODS = ("spawn", "fork", "forkserver", "loky")
+START_METHODS = ("spawn", "fork", "forkserver", "loky", "default")
 LEAK_MESSAGE = "segments left behind"
 # What the leak checks of test_roundtrip.py's class-scoped fixture say when a pool or a
 # process misbehaved (it reports through assertions only).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, as_completed, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -128,15 +129,21 @@ def test_shutdown_cancel_futures_with_batches_queued(start_method, no_leaks):
     measure(ex, workers.add, 1, 1)
     with get_context("spawn").Manager() as manager:
         go = manager.Event()
-        # The calls below queue up behind the blockers (a few may take the call queue's
-        # free places); once the blockers end, the backlog leaves in batches.
-        blockers = [ex.submit(workers.block, go) for _ in range(5)]
+        # One blocker per worker; the calls below queue up behind them, and the manager
+        # fills the call queue's free places with batches, whose calls are marked
+        # running as they join (no event tells when: looked at until then).
+        blockers = [ex.submit(workers.block, go) for _ in range(2)]
         futures = [ex.submit(workers.add, i, 1) for i in range(20_000)]
+        deadline = time.monotonic() + 60
+        while not futures[0].running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert futures[0].running(), "no batch went to the call queue"
+        # The batches in the call queue run (as the stdlib's queued calls), the rest is
+        # cancelled.
+        ex.shutdown(wait=False, cancel_futures=True)
         go.set()
-        assert [b.result() for b in blockers] == [True] * 5
-        # Batches are in the call queue (running, as the stdlib's queued calls), the
-        # rest is queued: cancelled.
-        ex.shutdown(wait=True, cancel_futures=True)
+        assert [b.result() for b in blockers] == [True] * 2
+        ex.shutdown(wait=True)
     cancelled = [f for f in futures if f.cancelled()]
     ran = [(i, f) for i, f in enumerate(futures) if not f.cancelled()]
     assert cancelled, "nothing was left to cancel"
@@ -150,9 +157,9 @@ def test_shutdown_cancel_futures_with_batches_queued(start_method, no_leaks):
 def test_map_calls_cancelled_by_shutdown_raise_cancelled_error(start_method, no_leaks):
     ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
     measure(ex, workers.add, 1, 1)
-    processes = ex._pool_processes()
     with held(ex):
         results = ex.map(workers.add, range(3000), range(3000))
+        processes = ex._pool_processes()  # all started by now (they start on demand)
         ex.shutdown(wait=False, cancel_futures=True)  # the queued calls: cancelled now
     got = []
     with pytest.raises(CancelledError):

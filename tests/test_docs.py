@@ -149,11 +149,11 @@ def test_the_readme_states_the_constants_as_the_code_has_them():
 def test_the_pool_takes_at_most_a_quarter_of_shared_memory(monkeypatch):
     import shutil
 
-    from sharexec import _transport
+    from sharexec import _warm
 
-    usage = shutil.disk_usage(_transport._segments.SHM_FOLDER)
+    usage = shutil.disk_usage(_warm._segments.SHM_FOLDER)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(total=64_000_000))
-    assert _transport._pool_limit() == 16_000_000  # Docker's default /dev/shm: 16 MB
+    assert _warm.pool_limit() == 16_000_000  # Docker's default /dev/shm: 16 MB
 
 
 def test_every_benchmark_figure_comes_from_the_committed_run():

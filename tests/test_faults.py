@@ -20,7 +20,7 @@ from pathlib import Path
 
 import faults_plugin
 import pytest
-from conftest import assert_none_left, descendants, segments_now
+from conftest import assert_none_left, descendants, method_id, segments_now
 
 import sharexec
 
@@ -33,8 +33,25 @@ import sharexec
 from sharexec import _tracking
 from concurrent.futures.process import BrokenProcessPool
 
-METHOD = sys.argv[1]
+METHOD = None if sys.argv[1] == "default" else sys.argv[1]  # None: sharexec's default
+
 FIFO_DIR = sys.argv[2] if len(sys.argv) > 2 else None
+
+
+def rendezvous(folder, n):
+    # this worker's pid, once n distinct workers have run this
+    import time
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    while len(os.listdir(folder)) < n:
+        time.sleep(0.001)
+    return os.getpid()
+
+
+def both_up(ex, n=2):
+    # have ex start n workers now (they start on demand)
+    folder = os.path.join(FIFO_DIR, "up")
+    os.mkdir(folder)
+    assert len(set(ex.map(rendezvous, [folder] * n, [n] * n))) == n
 
 def started():
     # tell the test this task runs (with its segments mapped), then wait to be let go
@@ -97,7 +114,7 @@ def run_scenario(tmp_path: Path, body: str, method: str, **kwargs):
     script.write_text(PRELUDE + textwrap.dedent(body))
     before = segments_now()
     proc = subprocess.Popen(
-        [sys.executable, str(script), method, str(tmp_path)],
+        [sys.executable, str(script), method_id(method), str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -479,6 +496,8 @@ if __name__ == "__main__":
         )
     del a, doubled, shared
     import gc; gc.collect()
+    sharexec._arrays.recycling.clear()  # its warm segments (a freed shared array's)
+    gc.collect()
     print("exact", exact)
     print("warnings", sum(issubclass(w.category, sharexec.SharexecWarning) for w in caught))
     print("left", _segments.listdir())
@@ -508,7 +527,7 @@ def in_small_shm(
             f'{setup} exec "$0" "$@"',
             sys.executable,
             str(path),
-            method,
+            method_id(method),
         ],
         capture_output=True,
         text=True,
@@ -632,7 +651,7 @@ def test_a_frozen_worker_is_ended_once_the_parent_is_gone(start_method, tmp_path
         if __name__ == "__main__":
             _sweeper.WAIT_FOR_MEMBERS = 2.0  # read when the sweeper starts
             ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
-            assert ex.submit(abs, -1).result() == 1
+            both_up(ex)  # workers start on demand: both, now
             print("workers", *ex._processes, flush=True)
             futures = [ex.submit(hold, np.ones(1_000_000)) for _ in range(4)]
             announce_sweeper()

@@ -56,7 +56,13 @@ def test_a_worker_keeps_its_mapping_of_a_shared_array_until_the_parent_frees_it(
         assert (first[0], second[0]) == (0.0, 2.0 * LARGE) and shared[-1] == 2.0
         assert name in ex.submit(workers.shared_mapped).result()
         del shared
-        gc.collect()  # the parent frees it: the worker lets its mapping go at the next call
+        gc.collect()  # the parent keeps it warm for its next allocation: still mapped
+        from sharexec._arrays import recycling
+
+        assert name in recycling.names()
+        assert name in ex.submit(workers.shared_mapped).result()
+        recycling.clear()  # the parent frees it: the worker lets its mapping go next call
+        gc.collect()
         assert name not in ex.submit(workers.shared_mapped).result()
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import workers
-from conftest import segments_now
+from conftest import method_id, segments_now
 
 import sharexec
 
@@ -154,6 +154,7 @@ def init(table):
 
 if __name__ == "__main__":
     method, operation, path = sys.argv[1:]
+    method = None if method == "default" else method  # sharexec's default
     os.mkfifo(path + ".fifo")
     ex = sharexec.SharedProcessPoolExecutor(
         1, mp_context=method, initializer=init, initargs=(np.ones(400_000),)
@@ -191,7 +192,7 @@ def test_terminate_and_kill_workers_as_the_stdlib_and_leave_nothing(
     script.write_text(textwrap.dedent(SCENARIO))
     before = segments_now()
     out = subprocess.run(
-        [sys.executable, str(script), start_method, operation, str(tmp_path / "pid")],
+        [sys.executable, str(script), method_id(start_method), operation, str(tmp_path / "pid")],
         capture_output=True,
         text=True,
         timeout=100,

@@ -4,7 +4,8 @@ A worker imports NumPy (some 60 ms, most of a pool's start-up) only for a task t
 carries or returns an array: a plain result is pickled as it is, and while NumPy is not
 loaded no array can hide in a result, so the backward pass (and NumPy) is skipped unless
 a buffer is large enough to share. Under fork a worker inherits the parent's modules,
-NumPy among them: there, the same results still travel right.
+NumPy among them: there, the same results still travel right. So under sharexec's
+default, whose workers are forks of a server that imported NumPy once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from sharexec import _segments
 
 
 def test_a_worker_imports_numpy_only_for_arrays(start_method, no_leaks):
-    fresh = start_method != "fork"  # a forked worker starts with the parent's modules
+    # A forked worker starts with the parent's modules; one of sharexec's default (None)
+    # with those its warm server imported, NumPy among them.
+    fresh = start_method not in ("fork", None)
     # One worker, so that every task below runs in the same process.
     with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
         heavy = ex.submit(plain_workers.heavy_modules).result()

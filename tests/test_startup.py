@@ -1,0 +1,191 @@
+"""Start-up (issue 15): workers started on demand, and sharexec's default start method,
+forks of a warm server.
+
+Under every start method: a call starts a worker only if none is idle, never more than
+``max_workers``; broken pools and shutdown behave as before. Under the default: workers
+are forks of sharexec's own server (single-threaded, NumPy imported), the user's own
+``mp_context`` and initializer keep their meaning, and the parent is never forked.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import forkserver
+from pathlib import Path
+
+import pytest
+import startup_workers as sw
+
+import sharexec
+from sharexec import _loky
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def watch_starts(ex: sharexec.SharedProcessPoolExecutor) -> list[int]:
+    """The pids of every worker ``ex`` starts from now on, as it starts them."""
+    started: list[int] = []
+    report = ex._workers_started
+
+    def record(pids: list[int]) -> None:
+        started.extend(pids)
+        report(pids)
+
+    ex._workers_started = record  # type: ignore[method-assign]
+    return started
+
+
+# ---------------------------------------------------------------------------------------
+# On demand, under every start method
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_pool_that_runs_nothing_starts_nothing(start_method, no_leaks):
+    with sharexec.SharedProcessPoolExecutor(64, mp_context=start_method) as ex:
+        assert ex._pool_processes() == []
+
+
+def test_one_call_starts_one_worker_of_64_and_the_idle_worker_is_reused(start_method, no_leaks):
+    with sharexec.SharedProcessPoolExecutor(64, mp_context=start_method) as ex:
+        started = watch_starts(ex)
+        first = ex.submit(sw.pid).result()
+        assert [p.pid for p in ex._pool_processes()] == [first] == started
+        # Each call submitted after the previous result finds that worker idle.
+        assert {ex.submit(sw.pid).result() for _ in range(6)} == {first}
+        assert started == [first]
+
+
+def test_workers_start_as_calls_wait_and_never_more_than_max_workers(
+    start_method, no_leaks, tmp_path: Path
+):
+    folder = tmp_path / "up"
+    folder.mkdir()
+    with sharexec.SharedProcessPoolExecutor(3, mp_context=start_method) as ex:
+        started = watch_starts(ex)
+        # Three calls can only finish together on three distinct workers; nine wait.
+        futures = [ex.submit(sw.rendezvous, str(folder), 3) for _ in range(9)]
+        pids = {f.result() for f in futures}
+        assert len(pids) == 3
+        assert sorted(started) == sorted(pids) == sorted(p.pid for p in ex._pool_processes())
+
+
+def test_a_user_initializer_runs_once_in_each_worker_started(
+    start_method, no_leaks, tmp_path: Path
+):
+    folder = tmp_path / "up"
+    folder.mkdir()
+    with sharexec.SharedProcessPoolExecutor(
+        8, mp_context=start_method, initializer=sw.record_start, initargs=(str(tmp_path),)
+    ) as ex:
+        pids = {f.result() for f in [ex.submit(sw.rendezvous, str(folder), 2) for _ in range(2)]}
+        pids.add(ex.submit(sw.pid).result())
+    assert len(pids) == 2
+    assert sorted(p.name for p in tmp_path.glob("init-*")) == sorted(f"init-{p}" for p in pids)
+
+
+def test_a_worker_dying_breaks_the_pool_as_before(start_method, no_leaks):
+    ex = sharexec.SharedProcessPoolExecutor(4, mp_context=start_method)
+    try:
+        ex.submit(sw.pid).result()
+        with pytest.raises(BrokenProcessPool):
+            ex.submit(sw.die).result()
+        with pytest.raises(BrokenProcessPool):
+            ex.submit(sw.pid)
+    finally:
+        ex.shutdown()
+
+
+def test_shutdown_completes_calls_then_refuses_new_ones(start_method, no_leaks):
+    ex = sharexec.SharedProcessPoolExecutor(4, mp_context=start_method)
+    futures = [ex.submit(sw.pid) for _ in range(8)]
+    ex.shutdown(wait=True)
+    assert all(f.done() and f.result() != os.getpid() for f in futures)
+    with pytest.raises(RuntimeError):
+        ex.submit(sw.pid)
+
+
+# ---------------------------------------------------------------------------------------
+# The default: forks of sharexec's warm server
+# ---------------------------------------------------------------------------------------
+
+
+def warm_server_pid() -> int | None:
+    pid: int | None = _loky._warm_server.server._forkserver_pid
+    return pid
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_default_workers_are_forks_of_a_warm_single_threaded_server(no_leaks):
+    # A thread of the parent runs throughout: the parent is never forked.
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, daemon=True)
+    busy.start()
+    try:
+        with sharexec.SharedProcessPoolExecutor(2) as ex:
+            assert ex._context.get_start_method() == "forkserver"
+            futures = [ex.submit(sw.parent_and_modules, (*_loky.WARM_PRELOAD, "numpy"))]
+            futures.append(ex.submit(sw.parent_and_modules, ("numpy",)))
+            results = [f.result() for f in futures]
+            server = warm_server_pid()
+            assert server is not None and server != os.getpid()
+            assert threads_of(server) == 1
+    finally:
+        stop.set()
+        busy.join()
+    for pid, parent, modules in results:
+        assert parent == server != pid
+        assert "numpy" in modules  # imported once, by the server, before any array
+    assert results[0][2] == [*_loky.WARM_PRELOAD, "numpy"]
+
+
+def test_a_users_forkserver_keeps_its_own_server_and_preload(no_leaks):
+    stdlib_server = forkserver._forkserver
+    preload = list(stdlib_server._preload_modules)
+    with sharexec.SharedProcessPoolExecutor(1) as ex:
+        ex.submit(sw.pid).result()
+    assert stdlib_server._preload_modules == preload  # the default changed nothing there
+    context = multiprocessing.get_context("forkserver")
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=context) as ex:
+        _, parent, _ = ex.submit(sw.parent_and_modules, ()).result()
+    assert parent == stdlib_server._forkserver_pid != warm_server_pid()
+    assert stdlib_server._preload_modules == preload
+
+
+def test_a_forked_child_starts_its_own_warm_server(no_leaks):
+    with sharexec.SharedProcessPoolExecutor(1, mp_context="fork") as ex:
+        worker, parent = ex.submit(sw.nested_default).result()
+    # the nested pool's worker is a fork of a server of the fork-started worker's own
+    assert parent not in (os.getpid(), warm_server_pid())
+    assert worker != parent
+
+
+def test_a_script_without_a_main_guard_runs_once_under_the_default(tmp_path: Path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os
+            import sharexec
+
+            print("main ran")
+            ex = sharexec.SharedProcessPoolExecutor(2)
+            print("worker", ex.submit(os.getpid).result() != os.getpid())
+            ex.shutdown()
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["main ran", "worker True"]
+    assert out.stdout.count("main ran") == 1
