@@ -1,0 +1,757 @@
+"""ClusterExecutor: the same program on a Dask cluster (DESIGN.md D9), and ``use_cluster``.
+
+This module owns the cluster executor, the choice that makes :func:`sharexec.get_executor`
+return one, and what runs of it in a Dask worker. Dask distributed schedules and moves the
+data; sharexec only decides what to send, once, and how each task sees it. ``distributed``
+is imported only when an executor is made (``import sharexec`` and ``get_executor`` never
+load it).
+
+Data flow, in the order a submitted call travels::
+
+  submit(fn, *args, **kwargs)                                      user thread
+    └─ _pack: ONE cloudpickle pass at protocol 5 over (fn, args, kwargs)
+         reducer_override(ndarray)
+           in a shared segment (any view)   ─▶ a slot: its values now (a snapshot), to be
+                                               rebuilt as a private array in the task
+           large and gappy                  ─▶ a contiguous copy, then as below
+         buffer_callback(PickleBuffer)      (large arrays, pandas, pyarrow, bytearray…)
+           < min_share_bytes                ─▶ in the payload
+           otherwise                        ─▶ its SHA-256: a blob already on the cluster
+                                               with that digest, or scattered once now
+                                               (_HostBytes, client.scatter)
+       the call waits in our queue; at most two per worker thread are given to Dask
+  dispatch: client.submit(_run, payload, blobs, pure=False): the future is now running
+  worker:   each blob a _HostBytes, one per host in a sharexec segment; the task gets a
+            copy-on-write mapping of it (writes stay its own); slots rebuilt from their
+            snapshots; fn(*args, **kwargs); what it changed in each slot, packed
+  client:   (a Dask callback thread) the result fetched and released on the cluster; the
+            changed elements written into the shared arrays; then the future completes
+
+On a host, the first worker to receive a blob copies it into a segment it owns (tracked
+and swept as every sharexec segment); a worker on the same host that receives it from
+that one maps the segment by name instead of keeping what it received. A worker maps a
+blob's pages only while a task uses them, so no worker's resident memory counts them
+between tasks, and Dask's ``sizeof`` of a blob is its handle's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import pickle
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from functools import partial
+from itertools import islice
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import cloudpickle
+import numpy as np
+
+from . import _segments, _tracking
+from ._arrays import byte_bounds
+from ._config import Options
+from .errors import SegmentError
+
+if TYPE_CHECKING:
+    import distributed
+
+__all__ = ["ClusterExecutor", "RemoteTraceback", "chosen", "use_cluster"]
+
+T = TypeVar("T")
+
+# Calls given to Dask at once, per worker thread: one running, one ready to start.
+_PER_THREAD = 2
+# Hashed on several threads above this size (SHA-256 runs at about 1.4 GB/s a core).
+_HASH_PIECE = 32 << 20
+# How long shutdown(wait=True) waits for the cluster to forget this executor's blobs.
+_FORGET_TIMEOUT = 30.0
+
+
+# ---------------------------------------------------------------------------------------
+# Blobs: bytes sent to the cluster once, one copy per host
+# ---------------------------------------------------------------------------------------
+
+
+def _host() -> str:
+    """What tells hosts apart: the boot, and the shared-memory folder's file system (two
+    workers in private /dev/shm mounts are two hosts)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    st = os.stat(_segments.SHM_FOLDER)
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
+class _HostBytes:
+    """The bytes of one large buffer, as the cluster holds them.
+
+    In the client, ``data`` is the user's buffer, read when Dask pickles it (at scatter).
+    In a worker, the bytes live in the sharexec segment ``name`` on this host: created and
+    owned by this process (``owner``, the handle that unlinks it), or another worker's,
+    kept alive by ``held``, a mapping never touched. When neither is possible (shared
+    memory full), ``data`` holds the bytes in this process.
+    """
+
+    __slots__ = ("__weakref__", "data", "digest", "held", "name", "owner", "size")
+
+    def __init__(
+        self,
+        digest: bytes,
+        size: int,
+        data: Any = None,
+        name: str | None = None,
+        owner: object = None,
+        held: _segments.Mapping | None = None,
+    ) -> None:
+        self.digest = digest  # e.g. b"\x9f\x86…" (SHA-256 of the bytes and their length)
+        self.size = size
+        self.data = data
+        self.name = name
+        self.owner = owner
+        self.held = held
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A worker sending it maps the segment for this once: its held mapping stays
+        # untouched (no resident memory), and the frames keep this mapping alive until sent.
+        buffer = self.data if self.name is None else _tracking.attach_held(self.name, self.size)
+        if int(protocol) >= 5:
+            buffer = pickle.PickleBuffer(buffer)
+        else:
+            buffer = bytes(buffer)
+        return _arrive, (self.digest, self.size, _host(), self.name, buffer)
+
+    def private(self) -> Any:
+        """A writable buffer of the bytes whose writes stay this caller's."""
+        if self.name is not None:
+            try:
+                return _tracking.attach_private(self.name, self.size)  # copy-on-write
+            except SegmentError:  # its owner on this host let it go: read what we hold
+                assert self.held is not None
+                return bytearray(self.held)
+        return bytearray(self.data)
+
+
+# This process's blobs by digest, e.g. {b"\x9f\x86…": <_HostBytes>}: a blob received
+# again (under another key) is not copied again.
+_here: weakref.WeakValueDictionary[bytes, _HostBytes] = weakref.WeakValueDictionary()
+_here_lock = threading.Lock()
+
+
+def _arrive(digest: bytes, size: int, host: str, name: str | None, buffer: Any) -> _HostBytes:
+    """Unpickled in a worker: the blob over this host's one copy of ``buffer``'s bytes."""
+    _register_sizeof()
+    with _here_lock:
+        known = _here.get(digest)
+    if known is not None:
+        return known
+    blob = None
+    if name is not None and host == _host():  # a worker of this host sent its copy
+        with contextlib.suppress(SegmentError):
+            blob = _HostBytes(digest, size, name=name, held=_tracking.attach_held(name, size))
+    if blob is None:
+        blob = _copy_in(digest, size, buffer)
+    with _here_lock:
+        return _here.setdefault(digest, blob)
+
+
+def _copy_in(digest: bytes, size: int, buffer: Any) -> _HostBytes:
+    try:
+        mapping = _tracking.new_private(size)
+    except SegmentError:  # shared memory short: the bytes stay in this process
+        return _HostBytes(digest, size, data=bytes(memoryview(buffer).cast("B")))
+    target = np.frombuffer(mapping, np.uint8)
+    target[:] = np.frombuffer(buffer, np.uint8)
+    del target
+    blob = _HostBytes(
+        digest, size, name=mapping.name, owner=mapping.owner, held=_tracking.attach_held(
+            mapping.name, size
+        )
+    )
+    mapping.close()  # the pages written stay in the segment, in no worker's resident set
+    return blob
+
+
+def _sizeof(blob: _HostBytes) -> int:
+    """What Dask counts for a blob in a worker: its handle, not the host's one copy."""
+    return 200
+
+
+_sizeof_registered = False
+
+
+def _register_sizeof() -> None:
+    """Tell Dask's ``sizeof`` about blobs, once per process (client and workers)."""
+    global _sizeof_registered
+    if not _sizeof_registered:
+        from dask.sizeof import sizeof
+
+        sizeof.register(_HostBytes)(_sizeof)
+        _sizeof_registered = True
+
+
+def _digest(data: memoryview) -> bytes:
+    """SHA-256 of the bytes (of pieces hashed on several threads, for large ones)."""
+    n = data.nbytes
+    pieces = [data[i : i + _HASH_PIECE] for i in range(0, n, _HASH_PIECE)] or [data]
+    threads = min(len(pieces), os.cpu_count() or 1)
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="sharexec-digest") as pool:
+            parts = list(pool.map(lambda p: hashlib.sha256(p).digest(), pieces))
+    else:
+        parts = [hashlib.sha256(p).digest() for p in pieces]
+    return hashlib.sha256(b"".join(parts) + n.to_bytes(8, "little")).digest()
+
+
+# ---------------------------------------------------------------------------------------
+# The client's pass: what goes in the payload, what is sent once
+# ---------------------------------------------------------------------------------------
+
+
+class _Packer(cloudpickle.Pickler):  # type: ignore[misc]
+    """Pickles a call; collects its large buffers and its shared arrays.
+
+    ``slots``: the caller's views of shared arrays, in the order the task rebuilds them,
+    e.g. [<SharedArray view of 1000 float64>]; ``buffers``: the large out-of-band buffers
+    in the order the payload consumes them.
+    """
+
+    def __init__(self, file: io.BytesIO, min_share_bytes: int) -> None:
+        super().__init__(file, protocol=5, buffer_callback=self._buffer)
+        self.min_share_bytes = min_share_bytes
+        self.slots: list[np.ndarray] = []
+        self.buffers: list[memoryview] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        # cloudpickle's own override handles functions and classes: fall through to it.
+        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            if _tracking.find_shared(*byte_bounds(obj)) is not None:
+                self.slots.append(obj)
+                snapshot = np.array(obj.view(np.ndarray), order="C", copy=True)
+                return _slot, (len(self.slots) - 1, snapshot)
+            dense = obj.flags.c_contiguous or obj.flags.f_contiguous
+            if not dense and obj.nbytes >= self.min_share_bytes:
+                return np.asarray, (np.ascontiguousarray(obj),)  # then out of band
+        return super().reducer_override(obj)
+
+    def _buffer(self, buffer: pickle.PickleBuffer) -> bool:
+        data = buffer.raw()
+        if data.nbytes < self.min_share_bytes:
+            return True  # in the payload
+        self.buffers.append(data)
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# The worker's side of a call
+# ---------------------------------------------------------------------------------------
+
+# In the thread unpickling a call: the shared slots it rebuilt, e.g. [(0, snapshot, copy)].
+_unpacking = threading.local()
+
+
+def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
+    """Rebuilt in the task: its own copy of a shared view's values at submit."""
+    working = snapshot.copy()
+    _unpacking.slots.append((index, snapshot, working))
+    return working
+
+
+def _changes(before: np.ndarray, after: np.ndarray) -> Any:
+    """What changed between two arrays of one shape: None, ``(None, all values)`` or
+    ``(packed mask, values changed)``, compared byte for byte (NaN, -0.0)."""
+    width = before.dtype.itemsize
+    old = before.reshape(-1).view(np.uint8).reshape(-1, width)
+    new = np.ascontiguousarray(after).reshape(-1).view(np.uint8).reshape(-1, width)
+    mask = (old != new).any(axis=1)
+    if not mask.any():
+        return None
+    if mask.all():
+        return None, after
+    return np.packbits(mask), after.reshape(-1)[mask]
+
+
+class RemoteTraceback(Exception):
+    """A task's traceback in the worker, as the ``__cause__`` of its exception."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
+    """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", exception,
+    traceback, changes)``, ``changes`` being what it changed of each shared slot."""
+    _unpacking.slots = []
+    try:
+        fn, args, kwargs = pickle.loads(payload, buffers=[b.private() for b in blobs])
+        slots, _unpacking.slots = _unpacking.slots, []
+    finally:
+        _unpacking.slots = []
+    del blobs
+    try:
+        outcome: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
+    except Exception as exc:
+        tb = "".join(traceback.format_exception(exc))
+        try:
+            cloudpickle.dumps(exc)
+        except Exception as why:
+            exc = RuntimeError(
+                f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent "
+                f"back: {why}"
+            )
+        outcome = ("error", exc, tb)
+    del fn, args, kwargs
+    changes = [(index, _changes(before, after)) for index, before, after in slots]
+    return (*outcome, [c for c in changes if c[1] is not None])
+
+
+def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any]:
+    return [fn(*args) for args in chunk]
+
+
+# ---------------------------------------------------------------------------------------
+# The executor
+# ---------------------------------------------------------------------------------------
+
+
+class _Sent:
+    """A blob on the cluster: its Dask future, the calls holding it, and the objects
+    whose bytes it holds (while one lives, a resubmit may find it again)."""
+
+    __slots__ = ("calls", "future", "sources")
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+        self.calls = 0
+        self.sources: list[weakref.ref[Any]] = []
+
+
+class _Call:
+    """A call from submit until its future is done."""
+
+    __slots__ = ("digests", "fn_name", "future", "payload", "slots")
+
+    def __init__(
+        self,
+        future: Future[Any],
+        fn_name: str,
+        payload: bytes,
+        digests: list[bytes],
+        slots: list[np.ndarray],
+    ) -> None:
+        self.future = future
+        self.fn_name = fn_name  # e.g. "total": for the task's key, on Dask's dashboard
+        self.payload = payload  # e.g. b"\x80\x05…": fn, args and kwargs, blobs left out
+        self.digests = digests  # the blobs it uses, in the payload's order
+        self.slots = slots  # the caller's shared views it was given
+
+
+class ClusterExecutor(Executor):
+    """A :class:`concurrent.futures.Executor` whose tasks run on a Dask cluster.
+
+    The cluster counterpart of :class:`SharedProcessPoolExecutor` (see :doc:`scaling-out`):
+    the same program, with the same results, when it outgrows one machine. Dask
+    distributed schedules the tasks and moves the data. Unlike
+    ``distributed.Client.get_executor()``, it behaves as the standard library's executors:
+
+    * every call runs (never deduplicated as "pure"), and keyword arguments reach the
+      function whatever their names;
+    * ``map`` honours ``timeout`` and ``chunksize``; ``shutdown(wait, cancel_futures)``,
+      ``cancel()`` and ``running()`` as the standard library's (a call is running once it
+      is given to Dask: at most two per worker thread are, the others wait here and can
+      be cancelled);
+    * a task's exception is raised with its remote traceback as ``__cause__``.
+
+    Large arrays and out-of-band buffers (of at least ``min_share_bytes``) are sent to the
+    cluster once and passed by reference; an unchanged array submitted again is not sent
+    again (found by a SHA-256 of its bytes: a changed one is never served a stale copy).
+    Each task sees an array as it was at submit, and its writes stay its own. On each
+    host, Dask's workers share one copy of a sent array, in sharexec shared memory.
+
+    Shared arrays (:func:`sharexec.zeros`, :func:`sharexec.share` and their views) are
+    copy-in, copy-out: the task gets the view's values at submit, and the elements it
+    changed are written back into the caller's array before its future completes (also
+    when it raises). Unlike on one machine, a task sees a snapshot, not live memory, and
+    of two tasks changing the same element, the one finishing last wins.
+
+    Parameters
+    ----------
+    client : distributed.Client or str, optional
+        The cluster: a client, or a scheduler's address (a client is made and closed with
+        the executor). By default, a ``distributed.LocalCluster`` of processes is started,
+        and closed at shutdown.
+    min_share_bytes : int, optional
+        Buffers at least this large are sent once, by reference; smaller ones travel in
+        the task. Default: the sharexec option (256 KiB, ``SHAREXEC_MIN_SHARE_BYTES``).
+    **cluster_options
+        Passed to ``distributed.LocalCluster`` when the executor starts one (e.g.
+        ``n_workers=4``); an error with a client or an address.
+
+    Examples
+    --------
+    >>> with ClusterExecutor("tcp://scheduler:8786") as ex:  # doctest: +SKIP
+    ...     sums = list(ex.map(np.sum, np.array_split(a, 64)))
+    """
+
+    def __init__(
+        self,
+        client: distributed.Client | str | None = None,
+        *,
+        min_share_bytes: int | None = None,
+        **cluster_options: Any,
+    ) -> None:
+        import distributed  # the optional extra: pip install sharexec[dask]
+
+        given = {} if min_share_bytes is None else {"min_share_bytes": min_share_bytes}
+        self._min_share_bytes = Options.resolve(given).min_share_bytes
+        if cluster_options and client is not None:
+            raise TypeError(
+                "cluster options are for the local cluster ClusterExecutor starts, not for "
+                f"a given client or address: {', '.join(sorted(cluster_options))}"
+            )
+        _register_sizeof()
+        self._cluster: Any = None
+        if isinstance(client, distributed.Client):
+            self._client, self._owns_client = client, False
+        elif client is None:
+            options = {"processes": True, **cluster_options}
+            self._cluster = distributed.LocalCluster(**options)
+            self._client = distributed.Client(self._cluster, direct_to_workers=True)
+            self._owns_client = True
+        elif isinstance(client, str):
+            self._client = distributed.Client(client, direct_to_workers=True)
+            self._owns_client = True
+        else:
+            raise TypeError(f"client must be a distributed.Client or an address, not {client!r}")
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # notified as each call is done
+        # The mark of this executor's keys on the cluster, e.g. "sharexec-3f9a…": its
+        # blobs are "sharexec-3f9a…-blob-0", …, its calls "total-sharexec-3f9a…-7".
+        self._token = f"sharexec-{os.urandom(8).hex()}"
+        self._keys = iter(range(1 << 62))
+        self._close_when_idle = False
+        self._sent: dict[bytes, _Sent] = {}  # blobs on the cluster by digest
+        self._queue: deque[_Call] = deque()  # calls not yet given to Dask
+        self._running: dict[Future[Any], Any] = {}  # given to Dask: {our future: Dask's}
+        self._shut_down = False
+        self._closed = False
+        self._threads = 0.0, 1  # (when counted, worker threads): refreshed each second
+
+    @property
+    def client(self) -> distributed.Client:
+        """The ``distributed.Client`` the tasks go through."""
+        return self._client
+
+    # -- submit ---------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Schedule ``fn(*args, **kwargs)`` on the cluster; see
+        :meth:`concurrent.futures.Executor.submit`."""
+        with self._lock:
+            if self._shut_down:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+        future: Future[T] = Future()
+        call = self._pack(future, fn, args, kwargs)
+        with self._lock:
+            if self._shut_down:
+                self._forget(call)
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queue.append(call)
+        self._dispatch()
+        return future
+
+    def _pack(
+        self, future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> _Call:
+        out = io.BytesIO()
+        packer = _Packer(out, self._min_share_bytes)
+        try:
+            packer.dump((fn, args, kwargs))
+            buffers, slots = packer.buffers, packer.slots
+        finally:
+            packer.clear_memo()  # it holds the arguments
+            packer.buffers = packer.slots = []
+        digests = [self._send(data) for data in buffers]
+        name = getattr(fn, "__name__", None)
+        if not isinstance(name, str) or not name.isidentifier():
+            name = "call"
+        return _Call(future, name, out.getvalue(), digests, slots)
+
+    def _send(self, data: memoryview) -> bytes:
+        """The digest of ``data``'s bytes, now on the cluster (sent unless they were)."""
+        digest = _digest(data)
+        with self._lock:
+            sent = self._sent.get(digest)
+            if sent is None:
+                key = f"{self._token}-blob-{next(self._keys)}"
+                blob = _HostBytes(digest, data.nbytes, data)
+                future = self._client.scatter({key: blob}, hash=False)[key]
+                sent = self._sent[digest] = _Sent(future)
+            sent.calls += 1
+            source = data.obj
+            for other, held in list(self._sent.items()):  # an object changed since: not
+                if other != digest:  # kept for it any more
+                    held.sources = [r for r in held.sources if r() is not source]
+                    self._maybe_release(other, held)
+            with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
+                if not any(ref() is source for ref in sent.sources):
+                    sent.sources.append(weakref.ref(source, partial(self._source_gone, digest)))
+        return digest
+
+    def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
+        with self._lock:
+            sent = self._sent.get(digest)
+            if sent is not None:
+                sent.sources = [r for r in sent.sources if r is not ref]
+                self._maybe_release(digest, sent)
+
+    def _maybe_release(self, digest: bytes, sent: _Sent) -> None:
+        # Under self._lock. Kept while a call holds it or an object it came from lives.
+        if sent.calls == 0 and (self._shut_down or all(r() is None for r in sent.sources)):
+            del self._sent[digest]
+            sent.future.release()
+
+    def _forget(self, call: _Call) -> None:
+        """Let go of a call's blobs (under self._lock)."""
+        for digest in call.digests:
+            sent = self._sent.get(digest)
+            if sent is not None:
+                sent.calls -= 1
+                self._maybe_release(digest, sent)
+        call.digests = []
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def _capacity(self) -> int:
+        counted, threads = self._threads
+        now = time.monotonic()
+        if now - counted > 1.0:
+            info = self._client.scheduler_info()
+            threads = max(1, sum(w.get("nthreads", 1) for w in info["workers"].values()))
+            self._threads = now, threads
+        return _PER_THREAD * threads
+
+    def _dispatch(self) -> None:
+        """Give Dask the calls waiting, while fewer than the capacity are running."""
+        while True:
+            with self._lock:
+                if not self._queue or len(self._running) >= self._capacity():
+                    return
+                call = self._queue.popleft()
+                if not call.future.set_running_or_notify_cancel():  # cancelled meanwhile
+                    self._forget(call)
+                    continue
+                blobs = [self._sent[d].future for d in call.digests]
+                remote = self._client.submit(
+                    _run,
+                    call.payload,
+                    blobs,
+                    key=f"{call.fn_name}-{self._token}-{next(self._keys)}",
+                    pure=False,
+                )
+                self._running[call.future] = remote
+            remote.add_done_callback(partial(self._done, call))
+
+    def _done(self, call: _Call, remote: Any) -> None:
+        """In a Dask callback thread: deliver a call's outcome, then free what it held."""
+        try:
+            self._deliver(call, remote)
+        finally:
+            remote.release()  # the result leaves the cluster
+            with self._lock:
+                self._running.pop(call.future, None)
+                self._forget(call)
+                self._idle.notify_all()
+                idle = self._close_when_idle and not self._running and not self._queue
+            if idle:  # shutdown(wait=False) was called: close in a thread not Dask's
+                threading.Thread(target=self._release_all, name="sharexec-cluster-close").start()
+            else:
+                self._dispatch()
+
+    def _deliver(self, call: _Call, remote: Any) -> None:
+        future = call.future
+        try:
+            if remote.status == "finished":
+                outcome = remote.result()
+            else:  # our wrapper failed (unpickling the call), or the cluster did
+                exc = remote.exception()
+                tb = "".join(traceback.format_tb(remote.traceback()))
+                if tb:
+                    exc.__cause__ = RemoteTraceback(tb)
+                future.set_exception(exc)
+                return
+        except BaseException as exc:  # cancelled by the cluster, the client closed…
+            future.set_exception(exc)
+            return
+        changes = outcome[-1]
+        for index, change in changes:
+            _write_back(call.slots[index], change)
+        call.slots = []
+        if outcome[0] == "ok":
+            future.set_result(outcome[1])
+        else:
+            exc, tb = outcome[1], outcome[2]
+            exc.__cause__ = RemoteTraceback(tb)
+            future.set_exception(exc)
+
+    # -- map and shutdown -----------------------------------------------------------------
+
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]:
+        """Return an iterator equivalent to ``map(fn, *iterables)``, the calls made on the
+        cluster; see :meth:`concurrent.futures.Executor.map`.
+
+        ``chunksize`` calls go to the cluster as one task; ``timeout`` (seconds, from the
+        call to ``map``) bounds the wait for each result, as the standard library's.
+        """
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        if chunksize == 1:
+            return super().map(fn, *iterables, timeout=timeout)
+        chunks = super().map(
+            partial(_run_chunk, fn), _batched(zip(*iterables), chunksize), timeout=timeout
+        )
+        return (result for chunk in chunks for result in chunk)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Free the executor's resources once the calls submitted are done; see
+        :meth:`concurrent.futures.Executor.shutdown`.
+
+        With ``wait``, returns once every call is done and the cluster holds nothing of
+        this executor's (no task, no blob); a local cluster the executor started is
+        closed. Without, that happens when the last call is done.
+        """
+        with self._lock:
+            self._shut_down = True
+            if cancel_futures:
+                while self._queue:
+                    call = self._queue.popleft()
+                    call.future.cancel()
+                    self._forget(call)
+            if wait:
+                self._idle.wait_for(lambda: not self._running and not self._queue)
+            else:
+                self._close_when_idle = True
+                idle = not self._running and not self._queue
+        if wait:
+            self._release_all(wait=True)
+        elif idle:
+            threading.Thread(target=self._release_all, name="sharexec-cluster-close").start()
+
+    def _release_all(self, wait: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sent, self._sent = list(self._sent.values()), {}
+        for s in sent:
+            s.future.release()
+        if wait and self._client.status == "running":
+            self._await_forgotten()
+        if self._owns_client:
+            self._client.close()
+        if self._cluster is not None:
+            self._cluster.close()
+
+    def _await_forgotten(self) -> None:
+        """Until neither the scheduler nor a worker holds a key of this executor's."""
+        deadline = time.monotonic() + _FORGET_TIMEOUT
+        while time.monotonic() < deadline:
+            held = self._client.run_on_scheduler(_scheduler_holds, self._token)
+            held += sum(self._client.run(_worker_holds, self._token).values())
+            if not held:
+                return
+            time.sleep(0.02)  # the workers forget a moment after the scheduler tells them
+
+
+def _scheduler_holds(token: str, dask_scheduler: Any = None) -> int:
+    """On the scheduler: how many tasks of the executor marked ``token`` it knows."""
+    return sum(token in str(key) for key in dask_scheduler.tasks)
+
+
+def _worker_holds(token: str, dask_worker: Any = None) -> int:
+    """In a worker: how many keys of the executor marked ``token`` it holds or runs."""
+    return sum(token in str(key) for key in dask_worker.state.tasks)
+
+
+def _write_back(view: np.ndarray, change: Any) -> None:
+    """Write a task's changes into the caller's shared view."""
+    mask, values = change
+    if mask is None:
+        view[...] = values
+    else:
+        view[np.unpackbits(mask, count=view.size).view(bool).reshape(view.shape)] = values
+
+
+def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
+    while chunk := list(islice(items, n)):
+        yield chunk
+
+
+# ---------------------------------------------------------------------------------------
+# Choosing the cluster for get_executor
+# ---------------------------------------------------------------------------------------
+
+# The executors chosen by use_cluster blocks open now, innermost last (process-wide).
+_chosen: list[Executor] = []
+_chosen_lock = threading.Lock()
+
+
+def chosen() -> Executor | None:
+    """The executor of the innermost :func:`use_cluster` block open, if any."""
+    with _chosen_lock:
+        return _chosen[-1] if _chosen else None
+
+
+@contextlib.contextmanager
+def use_cluster(
+    cluster: ClusterExecutor | distributed.Client | str | None = None, **options: Any
+) -> Iterator[ClusterExecutor]:
+    """Within the block, :func:`sharexec.get_executor` returns a cluster executor.
+
+    For library code that calls :func:`sharexec.get_executor`: the user runs it on a Dask
+    cluster without changing it, as with joblib's ``parallel_config``. The choice is
+    process-wide (calls from any thread see it) and blocks nest.
+
+    Parameters
+    ----------
+    cluster : ClusterExecutor, distributed.Client or str, optional
+        An executor to use as it is (left running at the end of the block), or what to
+        make one over (a client or a scheduler's address; by default a local cluster),
+        shut down at the end of the block.
+    **options
+        For the executor made: see :class:`ClusterExecutor`.
+
+    Yields
+    ------
+    ClusterExecutor
+        The executor :func:`sharexec.get_executor` returns within the block.
+    """
+    made = not isinstance(cluster, ClusterExecutor)
+    executor = ClusterExecutor(cluster, **options) if made else cluster
+    assert isinstance(executor, ClusterExecutor)
+    with _chosen_lock:
+        _chosen.append(executor)
+    try:
+        yield executor
+    finally:
+        with _chosen_lock:
+            _chosen.remove(executor)
+        if made:
+            executor.shutdown()
