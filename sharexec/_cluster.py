@@ -48,7 +48,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -122,10 +121,7 @@ class _HostBytes:
         # A worker sending it maps the segment for this once: its held mapping stays
         # untouched (no resident memory), and the frames keep this mapping alive until sent.
         buffer = self.data if self.name is None else _tracking.attach_held(self.name, self.size)
-        if int(protocol) >= 5:
-            buffer = pickle.PickleBuffer(buffer)
-        else:
-            buffer = bytes(buffer)
+        buffer = pickle.PickleBuffer(buffer) if int(protocol) >= 5 else bytes(buffer)
         return _arrive, (self.digest, self.size, _host(), self.name, buffer)
 
     def private(self) -> Any:
@@ -171,9 +167,11 @@ def _copy_in(digest: bytes, size: int, buffer: Any) -> _HostBytes:
     target[:] = np.frombuffer(buffer, np.uint8)
     del target
     blob = _HostBytes(
-        digest, size, name=mapping.name, owner=mapping.owner, held=_tracking.attach_held(
-            mapping.name, size
-        )
+        digest,
+        size,
+        name=mapping.name,
+        owner=mapping.owner,
+        held=_tracking.attach_held(mapping.name, size),
     )
     mapping.close()  # the pages written stay in the segment, in no worker's resident set
     return blob
@@ -193,7 +191,7 @@ def _register_sizeof() -> None:
     if not _sizeof_registered:
         from dask.sizeof import sizeof
 
-        sizeof.register(_HostBytes)(_sizeof)
+        sizeof.register(_HostBytes)(_sizeof)  # type: ignore[no-untyped-call]
         _sizeof_registered = True
 
 
@@ -259,7 +257,7 @@ _unpacking = threading.local()
 
 def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
     """Rebuilt in the task: its own copy of a shared view's values at submit."""
-    working = snapshot.copy()
+    working: np.ndarray = snapshot.copy()
     _unpacking.slots.append((index, snapshot, working))
     return working
 
@@ -411,7 +409,9 @@ class ClusterExecutor(Executor):
         min_share_bytes: int | None = None,
         **cluster_options: Any,
     ) -> None:
-        import distributed  # the optional extra: pip install sharexec[dask]
+        import distributed as dist  # the optional extra: pip install sharexec[dask]
+
+        distributed: Any = dist  # its API is untyped
 
         given = {} if min_share_bytes is None else {"min_share_bytes": min_share_bytes}
         self._min_share_bytes = Options.resolve(given).min_share_bytes
@@ -421,7 +421,9 @@ class ClusterExecutor(Executor):
                 f"a given client or address: {', '.join(sorted(cluster_options))}"
             )
         _register_sizeof()
+        # Typed Any: distributed's API is untyped. The client, e.g. <Client: 'tcp://…'>.
         self._cluster: Any = None
+        self._client: Any
         if isinstance(client, distributed.Client):
             self._client, self._owns_client = client, False
         elif client is None:
@@ -445,13 +447,14 @@ class ClusterExecutor(Executor):
         self._queue: deque[_Call] = deque()  # calls not yet given to Dask
         self._running: dict[Future[Any], Any] = {}  # given to Dask: {our future: Dask's}
         self._shut_down = False
-        self._closed = False
+        self._closer: threading.Thread | None = None  # see _start_closing
         self._threads = 0.0, 1  # (when counted, worker threads): refreshed each second
 
     @property
     def client(self) -> distributed.Client:
         """The ``distributed.Client`` the tasks go through."""
-        return self._client
+        client: distributed.Client = self._client
+        return client
 
     # -- submit ---------------------------------------------------------------------------
 
@@ -471,9 +474,7 @@ class ClusterExecutor(Executor):
         self._dispatch()
         return future
 
-    def _pack(
-        self, future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any
-    ) -> _Call:
+    def _pack(self, future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any) -> _Call:
         out = io.BytesIO()
         packer = _Packer(out, self._min_share_bytes)
         try:
@@ -481,7 +482,7 @@ class ClusterExecutor(Executor):
             buffers, slots = packer.buffers, packer.slots
         finally:
             packer.clear_memo()  # it holds the arguments
-            packer.buffers = packer.slots = []
+            packer.buffers, packer.slots = [], []
         digests = [self._send(data) for data in buffers]
         name = getattr(fn, "__name__", None)
         if not isinstance(name, str) or not name.isidentifier():
@@ -568,14 +569,14 @@ class ClusterExecutor(Executor):
         try:
             self._deliver(call, remote)
         finally:
-            remote.release()  # the result leaves the cluster
+            remote.release()  # (done already, unless delivering failed)
             with self._lock:
                 self._running.pop(call.future, None)
                 self._forget(call)
                 self._idle.notify_all()
                 idle = self._close_when_idle and not self._running and not self._queue
-            if idle:  # shutdown(wait=False) was called: close in a thread not Dask's
-                threading.Thread(target=self._release_all, name="sharexec-cluster-close").start()
+            if idle:  # shutdown(wait=False) was called
+                self._start_closing()
             else:
                 self._dispatch()
 
@@ -584,12 +585,13 @@ class ClusterExecutor(Executor):
         try:
             if remote.status == "finished":
                 outcome = remote.result()
+                remote.release()  # the result leaves the cluster before the future is done
             else:  # our wrapper failed (unpickling the call), or the cluster did
-                exc = remote.exception()
+                error = remote.exception()
                 tb = "".join(traceback.format_tb(remote.traceback()))
                 if tb:
-                    exc.__cause__ = RemoteTraceback(tb)
-                future.set_exception(exc)
+                    error.__cause__ = RemoteTraceback(tb)
+                future.set_exception(error)
                 return
         except BaseException as exc:  # cancelled by the cluster, the client closed…
             future.set_exception(exc)
@@ -601,9 +603,9 @@ class ClusterExecutor(Executor):
         if outcome[0] == "ok":
             future.set_result(outcome[1])
         else:
-            exc, tb = outcome[1], outcome[2]
-            exc.__cause__ = RemoteTraceback(tb)
-            future.set_exception(exc)
+            raised, tb = outcome[1], outcome[2]
+            raised.__cause__ = RemoteTraceback(tb)
+            future.set_exception(raised)
 
     # -- map and shutdown -----------------------------------------------------------------
 
@@ -625,7 +627,9 @@ class ClusterExecutor(Executor):
         if chunksize == 1:
             return super().map(fn, *iterables, timeout=timeout)
         chunks = super().map(
-            partial(_run_chunk, fn), _batched(zip(*iterables), chunksize), timeout=timeout
+            partial(_run_chunk, fn),
+            _batched(zip(*iterables, strict=False), chunksize),
+            timeout=timeout,
         )
         return (result for chunk in chunks for result in chunk)
 
@@ -648,21 +652,29 @@ class ClusterExecutor(Executor):
                 self._idle.wait_for(lambda: not self._running and not self._queue)
             else:
                 self._close_when_idle = True
-                idle = not self._running and not self._queue
-        if wait:
-            self._release_all(wait=True)
-        elif idle:
-            threading.Thread(target=self._release_all, name="sharexec-cluster-close").start()
+            idle = not self._running and not self._queue
+        if idle:
+            closer = self._start_closing()
+            if wait:
+                closer.join()
 
-    def _release_all(self, wait: bool = False) -> None:
+    def _start_closing(self) -> threading.Thread:
+        """The thread that frees what the executor holds on the cluster, started once (not
+        in a Dask callback thread, which the closing waits on)."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            if self._closer is None:
+                self._closer = threading.Thread(
+                    target=self._release_all, name="sharexec-cluster-close"
+                )
+                self._closer.start()
+            return self._closer
+
+    def _release_all(self) -> None:
+        with self._lock:
             sent, self._sent = list(self._sent.values()), {}
         for s in sent:
             s.future.release()
-        if wait and self._client.status == "running":
+        if self._client.status == "running":
             self._await_forgotten()
         if self._owns_client:
             self._client.close()
@@ -709,11 +721,11 @@ def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[An
 # ---------------------------------------------------------------------------------------
 
 # The executors chosen by use_cluster blocks open now, innermost last (process-wide).
-_chosen: list[Executor] = []
+_chosen: list[ClusterExecutor] = []
 _chosen_lock = threading.Lock()
 
 
-def chosen() -> Executor | None:
+def chosen() -> ClusterExecutor | None:
     """The executor of the innermost :func:`use_cluster` block open, if any."""
     with _chosen_lock:
         return _chosen[-1] if _chosen else None
@@ -744,8 +756,9 @@ def use_cluster(
         The executor :func:`sharexec.get_executor` returns within the block.
     """
     made = not isinstance(cluster, ClusterExecutor)
-    executor = ClusterExecutor(cluster, **options) if made else cluster
-    assert isinstance(executor, ClusterExecutor)
+    executor = (
+        cluster if isinstance(cluster, ClusterExecutor) else ClusterExecutor(cluster, **options)
+    )
     with _chosen_lock:
         _chosen.append(executor)
     try:
