@@ -226,13 +226,20 @@ class _Packer(cloudpickle.Pickler):  # type: ignore[misc]
         self.min_share_bytes = min_share_bytes
         self.slots: list[np.ndarray] = []
         self.buffers: list[memoryview] = []
+        # The plain views of shared memory made for the slots, pickled as data, by id,
+        # e.g. {140213: <ndarray>}: read at submit (their bytes hashed, sent or in-band).
+        self.snapshots: dict[int, np.ndarray] = {}
 
     def reducer_override(self, obj: Any) -> Any:
         # cloudpickle's own override handles functions and classes: fall through to it.
         if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            if id(obj) in self.snapshots:
+                return NotImplemented  # numpy's own reduction: the bytes
             if _tracking.find_shared(*byte_bounds(obj)) is not None:
                 self.slots.append(obj)
-                snapshot = np.array(obj.view(np.ndarray), order="C", copy=True)
+                plain = obj.view(np.ndarray)
+                snapshot = plain if plain.flags.c_contiguous else np.ascontiguousarray(plain)
+                self.snapshots[id(snapshot)] = snapshot
                 return _slot, (len(self.slots) - 1, snapshot)
             dense = obj.flags.c_contiguous or obj.flags.f_contiguous
             if not dense and obj.nbytes >= self.min_share_bytes:
@@ -256,9 +263,23 @@ _unpacking = threading.local()
 
 
 def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
-    """Rebuilt in the task: its own copy of a shared view's values at submit."""
-    working: np.ndarray = snapshot.copy()
-    _unpacking.slots.append((index, snapshot, working))
+    """Rebuilt in the task: its own copy of a shared view's values at submit.
+
+    A snapshot sent as a blob is already the task's own (a copy-on-write mapping): the
+    task writes into it, and the values it started from are read from the blob's
+    segment. A small one, unpickled from the payload, is copied.
+    """
+    mapping: Any = snapshot.base
+    while isinstance(mapping, (np.ndarray, memoryview)):  # numpy: ndarray, memoryview, ours
+        mapping = mapping.base if isinstance(mapping, np.ndarray) else mapping.obj
+    if isinstance(mapping, _segments.Mapping) and mapping.private:
+        offset = snapshot.__array_interface__["data"][0] - mapping.address
+        held = _tracking.attach_held(mapping.name, len(mapping))
+        before = np.ndarray(snapshot.shape, snapshot.dtype, held, offset, snapshot.strides)
+        working: np.ndarray = snapshot
+    else:
+        before, working = snapshot, snapshot.copy()
+    _unpacking.slots.append((index, before, working))
     return working
 
 
@@ -482,7 +503,7 @@ class ClusterExecutor(Executor):
             buffers, slots = packer.buffers, packer.slots
         finally:
             packer.clear_memo()  # it holds the arguments
-            packer.buffers, packer.slots = [], []
+            packer.buffers, packer.slots, packer.snapshots = [], [], {}
         digests = [self._send(data) for data in buffers]
         name = getattr(fn, "__name__", None)
         if not isinstance(name, str) or not name.isidentifier():
