@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import os
 import pickle
 import threading
@@ -118,21 +119,37 @@ class _HostBytes:
         self.held = held
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # A worker sending it maps the segment for this once: its held mapping stays
-        # untouched (no resident memory), and the frames keep this mapping alive until sent.
-        buffer = self.data if self.name is None else _tracking.attach_held(self.name, self.size)
+        buffer = self.data if self.name is None else self._mapped()
         buffer = pickle.PickleBuffer(buffer) if int(protocol) >= 5 else bytes(buffer)
         return _arrive, (self.digest, self.size, _host(), self.name, buffer)
 
+    def _mapped(self) -> Any:
+        """The bytes, for a worker sending them: the segment mapped for this once (the
+        frames keep it alive until sent), so that the held mapping stays untouched (no
+        resident memory); the held one if the segment's owner on this host let it go."""
+        try:
+            return _tracking.attach_held(self.name, self.size)  # type: ignore[arg-type]
+        except SegmentError:
+            return self.held
+
     def private(self) -> Any:
         """A writable buffer of the bytes whose writes stay this caller's."""
-        if self.name is not None:
-            try:
-                return _tracking.attach_private(self.name, self.size)  # copy-on-write
-            except SegmentError:  # its owner on this host let it go: read what we hold
-                assert self.held is not None
-                return bytearray(self.held)
-        return bytearray(self.data)
+        if self.name is None:
+            return bytearray(self.data)
+        try:
+            return _tracking.attach_private(self.name, self.size)  # copy-on-write
+        except SegmentError:  # its owner on this host let it go: make this one the owner
+            with _here_lock:
+                if self.owner is None:
+                    self._rehome()
+            return _tracking.attach_private(self.name, self.size)
+
+    def _rehome(self) -> None:
+        """Copy the bytes held into a segment of this process's (under _here_lock)."""
+        mine = _copy_in(self.digest, self.size, self.held)
+        self.name, self.owner, self.held = mine.name, mine.owner, mine.held
+        if self.name is None:  # shared memory short: the bytes stay in this process
+            self.data = mine.data
 
 
 # This process's blobs by digest, e.g. {b"\x9f\x86…": <_HostBytes>}: a blob received
@@ -356,24 +373,50 @@ class _Sent:
         self.sources: list[weakref.ref[Any]] = []
 
 
+class _Read:
+    """When an object's bytes were last hashed, and what they were: the call's arguments
+    submitted before then may be served that blob without hashing again."""
+
+    __slots__ = ("address", "at", "digest", "nbytes", "source")
+
+    def __init__(self, source: weakref.ref[Any], address: int, nbytes: int, at: int) -> None:
+        self.source = source
+        self.address = address  # e.g. 140213466341392: where the bytes were
+        self.nbytes = nbytes
+        self.at = at  # the executor's clock when the hash began, e.g. 17
+        self.digest = b""
+
+
+def _address(data: memoryview) -> int:
+    address: int = np.frombuffer(data, np.uint8).__array_interface__["data"][0]
+    return address
+
+
 class _Call:
-    """A call from submit until its future is done."""
+    """A call from submit until its future is done.
 
-    __slots__ = ("digests", "fn_name", "future", "payload", "slots")
+    Until it is dispatched it holds its function and arguments (``call``); then its
+    payload, the blobs it uses and the caller's shared views it was given.
+    """
 
-    def __init__(
-        self,
-        future: Future[Any],
-        fn_name: str,
-        payload: bytes,
-        digests: list[bytes],
-        slots: list[np.ndarray],
-    ) -> None:
+    __slots__ = ("call", "digests", "fn_name", "future", "payload", "since", "slots")
+
+    def __init__(self, future: Future[Any], call: tuple[Any, Any, Any], since: int) -> None:
         self.future = future
-        self.fn_name = fn_name  # e.g. "total": for the task's key, on Dask's dashboard
-        self.payload = payload  # e.g. b"\x80\x05…": fn, args and kwargs, blobs left out
-        self.digests = digests  # the blobs it uses, in the payload's order
-        self.slots = slots  # the caller's shared views it was given
+        self.call: tuple[Any, Any, Any] | None = call  # (fn, args, kwargs)
+        self.since = since  # the executor's clock at submit, e.g. 16
+        name = getattr(call[0], "__name__", None)
+        # e.g. "total": in the task's key, for Dask's dashboard
+        self.fn_name = name if isinstance(name, str) and name.isidentifier() else "call"
+        self.payload = b""  # e.g. b"\x80\x05…": fn, args and kwargs, blobs left out
+        self.digests: list[bytes] = []  # the blobs it uses, in the payload's order
+        self.slots: list[np.ndarray] = []  # the caller's shared views it was given
+
+    def arguments(self) -> list[Any]:
+        """The arrays given as arguments themselves (not inside a container)."""
+        assert self.call is not None
+        _, args, kwargs = self.call
+        return [a for a in (*args, *kwargs.values()) if isinstance(a, np.ndarray)]
 
 
 class ClusterExecutor(Executor):
@@ -388,18 +431,22 @@ class ClusterExecutor(Executor):
       function whatever their names;
     * ``map`` honours ``timeout`` and ``chunksize``; ``shutdown(wait, cancel_futures)``,
       ``cancel()`` and ``running()`` as the standard library's (a call is running once it
-      is given to Dask: at most two per worker thread are, the others wait here and can
-      be cancelled);
+      is dispatched, given to Dask: at most two per worker thread are; the others wait
+      here, as in the standard library's queue, and can be cancelled);
     * a task's exception is raised with its remote traceback as ``__cause__``.
 
-    Large arrays and out-of-band buffers (of at least ``min_share_bytes``) are sent to the
-    cluster once and passed by reference; an unchanged array submitted again is not sent
-    again (found by a SHA-256 of its bytes: a changed one is never served a stale copy).
-    Each task sees an array as it was at submit, and its writes stay its own. On each
-    host, Dask's workers share one copy of a sent array, in sharexec shared memory.
+    A call's arguments are read when it is dispatched (as the standard library pickles
+    them when a call leaves its queue). Large arrays and out-of-band buffers (of at least
+    ``min_share_bytes``) are sent to the cluster once and passed by reference; the same
+    unchanged array submitted again is not sent again (its bytes are recognized by their
+    SHA-256, so a changed one is never served a stale copy; an array given as an
+    argument of calls submitted before its bytes were last hashed is not hashed again).
+    Each task sees an array as it was when the call was dispatched, and its writes stay
+    its own. On each host, Dask's workers share one copy of a sent array, in sharexec
+    shared memory.
 
     Shared arrays (:func:`sharexec.zeros`, :func:`sharexec.share` and their views) are
-    copy-in, copy-out: the task gets the view's values at submit, and the elements it
+    copy-in, copy-out: the task gets the view's values at dispatch, and the elements it
     changed are written back into the caller's array before its future completes (also
     when it raises). Unlike on one machine, a task sees a snapshot, not live memory, and
     of two tasks changing the same element, the one finishing last wins.
@@ -458,18 +505,26 @@ class ClusterExecutor(Executor):
         else:
             raise TypeError(f"client must be a distributed.Client or an address, not {client!r}")
         self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)  # notified as each call is done
+        # Notified when a call is queued, given to Dask or done, and at shutdown.
+        self._changed = threading.Condition(self._lock)
         # The mark of this executor's keys on the cluster, e.g. "sharexec-3f9a…": its
         # blobs are "sharexec-3f9a…-blob-0", …, its calls "total-sharexec-3f9a…-7".
         self._token = f"sharexec-{os.urandom(8).hex()}"
-        self._keys = iter(range(1 << 62))
-        self._close_when_idle = False
+        self._keys = itertools.count()
+        self._clock = itertools.count()  # orders submits and reads of bytes
         self._sent: dict[bytes, _Sent] = {}  # blobs on the cluster by digest
-        self._queue: deque[_Call] = deque()  # calls not yet given to Dask
-        self._running: dict[Future[Any], Any] = {}  # given to Dask: {our future: Dask's}
+        self._bytes_sent = 0  # the bytes of every blob sent, e.g. 200_000_000
+        # When the bytes of each argument array were last hashed, by id of the array,
+        # e.g. {140213: <_Read of 17>}.
+        self._read: dict[int, _Read] = {}
+        self._queue: deque[_Call] = deque()  # calls not yet dispatched
+        self._running: dict[Future[Any], _Call] = {}  # dispatched and not yet done
+        self._in_dask = 0  # of those, given to Dask and not yet finished there
         self._shut_down = False
+        self._close_when_idle = False
+        self._dispatcher: threading.Thread | None = None  # see _dispatch
         self._closer: threading.Thread | None = None  # see _start_closing
-        self._threads = 0.0, 1  # (when counted, worker threads): refreshed each second
+        self._threads = -2.0, 1  # (when counted, worker threads): refreshed each second
 
     @property
     def client(self) -> distributed.Client:
@@ -482,78 +537,54 @@ class ClusterExecutor(Executor):
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Schedule ``fn(*args, **kwargs)`` on the cluster; see
         :meth:`concurrent.futures.Executor.submit`."""
-        with self._lock:
-            if self._shut_down:
-                raise RuntimeError("cannot schedule new futures after shutdown")
         future: Future[T] = Future()
-        call = self._pack(future, fn, args, kwargs)
         with self._lock:
             if self._shut_down:
-                self._forget(call)
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            self._queue.append(call)
-        self._dispatch()
+            self._queue.append(_Call(future, (fn, args, kwargs), next(self._clock)))
+            if self._dispatcher is None:
+                self._dispatcher = threading.Thread(
+                    target=self._dispatch, name="sharexec-cluster-dispatch", daemon=True
+                )
+                self._dispatcher.start()
+            self._changed.notify_all()
         return future
 
-    def _pack(self, future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any) -> _Call:
-        out = io.BytesIO()
-        packer = _Packer(out, self._min_share_bytes)
-        try:
-            packer.dump((fn, args, kwargs))
-            buffers, slots = packer.buffers, packer.slots
-        finally:
-            packer.clear_memo()  # it holds the arguments
-            packer.buffers, packer.slots, packer.snapshots = [], [], {}
-        digests = [self._send(data) for data in buffers]
-        name = getattr(fn, "__name__", None)
-        if not isinstance(name, str) or not name.isidentifier():
-            name = "call"
-        return _Call(future, name, out.getvalue(), digests, slots)
+    # -- dispatch: in the dispatcher thread -----------------------------------------------
 
-    def _send(self, data: memoryview) -> bytes:
-        """The digest of ``data``'s bytes, now on the cluster (sent unless they were)."""
-        digest = _digest(data)
-        with self._lock:
-            sent = self._sent.get(digest)
-            if sent is None:
-                key = f"{self._token}-blob-{next(self._keys)}"
-                blob = _HostBytes(digest, data.nbytes, data)
-                future = self._client.scatter({key: blob}, hash=False)[key]
-                sent = self._sent[digest] = _Sent(future)
-            sent.calls += 1
-            source = data.obj
-            for other, held in list(self._sent.items()):  # an object changed since: not
-                if other != digest:  # kept for it any more
-                    held.sources = [r for r in held.sources if r() is not source]
-                    self._maybe_release(other, held)
-            with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
-                if not any(ref() is source for ref in sent.sources):
-                    sent.sources.append(weakref.ref(source, partial(self._source_gone, digest)))
-        return digest
-
-    def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
-        with self._lock:
-            sent = self._sent.get(digest)
-            if sent is not None:
-                sent.sources = [r for r in sent.sources if r is not ref]
-                self._maybe_release(digest, sent)
-
-    def _maybe_release(self, digest: bytes, sent: _Sent) -> None:
-        # Under self._lock. Kept while a call holds it or an object it came from lives.
-        if sent.calls == 0 and (self._shut_down or all(r() is None for r in sent.sources)):
-            del self._sent[digest]
-            sent.future.release()
-
-    def _forget(self, call: _Call) -> None:
-        """Let go of a call's blobs (under self._lock)."""
-        for digest in call.digests:
-            sent = self._sent.get(digest)
-            if sent is not None:
-                sent.calls -= 1
-                self._maybe_release(digest, sent)
-        call.digests = []
-
-    # -- dispatch -------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Give Dask the calls queued, while fewer than the capacity are running there."""
+        while True:
+            with self._lock:
+                self._changed.wait_for(
+                    lambda: (
+                        (self._queue and self._in_dask < self._capacity())
+                        or (self._shut_down and not self._queue)
+                    )
+                )
+                if not self._queue:
+                    return
+                call = self._queue.popleft()
+                if not call.future.set_running_or_notify_cancel():  # cancelled meanwhile
+                    continue
+                self._running[call.future] = call
+                self._in_dask += 1
+            try:
+                self._pack(call)
+                with self._lock:
+                    blobs = [self._sent[d].future for d in call.digests]
+                remote = self._client.submit(
+                    _run,
+                    call.payload,
+                    blobs,
+                    key=f"{call.fn_name}-{self._token}-{next(self._keys)}",
+                    pure=False,
+                )
+            except BaseException as exc:  # unpicklable arguments, a closed client…
+                call.future.set_exception(exc)
+                self._finished(call, None)
+                continue
+            remote.add_done_callback(partial(self._done, call))
 
     def _capacity(self) -> int:
         counted, threads = self._threads
@@ -564,42 +595,107 @@ class ClusterExecutor(Executor):
             self._threads = now, threads
         return _PER_THREAD * threads
 
-    def _dispatch(self) -> None:
-        """Give Dask the calls waiting, while fewer than the capacity are running."""
-        while True:
-            with self._lock:
-                if not self._queue or len(self._running) >= self._capacity():
-                    return
-                call = self._queue.popleft()
-                if not call.future.set_running_or_notify_cancel():  # cancelled meanwhile
-                    self._forget(call)
-                    continue
-                blobs = [self._sent[d].future for d in call.digests]
-                remote = self._client.submit(
-                    _run,
-                    call.payload,
-                    blobs,
-                    key=f"{call.fn_name}-{self._token}-{next(self._keys)}",
-                    pure=False,
-                )
-                self._running[call.future] = remote
-            remote.add_done_callback(partial(self._done, call))
+    def _pack(self, call: _Call) -> None:
+        out = io.BytesIO()
+        packer = _Packer(out, self._min_share_bytes)
+        try:
+            packer.dump(call.call)
+            buffers, call.slots = packer.buffers, packer.slots
+        finally:
+            packer.clear_memo()  # it holds the arguments
+            packer.buffers, packer.slots, packer.snapshots = [], [], {}
+        arguments = call.arguments()
+        call.call = None  # the arguments are read: let go of them
+        call.payload = out.getvalue()
+        call.digests = [self._send(data, call, arguments) for data in buffers]
+
+    def _send(self, data: memoryview, call: _Call, arguments: list[Any]) -> bytes:
+        """The digest of ``data``'s bytes, now on the cluster (sent unless they were)."""
+        source = data.obj
+        address = _address(data)
+        with self._lock:
+            read = self._read.get(id(source))
+            if (  # bytes hashed after the call was submitted, of an argument it was given
+                read is not None
+                and read.source() is source
+                and (read.address, read.nbytes) == (address, data.nbytes)
+                and read.at > call.since
+                and read.digest in self._sent
+                and any(source is a for a in arguments)
+            ):
+                self._sent[read.digest].calls += 1
+                return read.digest
+            at = next(self._clock)
+        digest = _digest(data)
+        with self._lock:
+            sent = self._sent.get(digest)
+            if sent is None:
+                key = f"{self._token}-blob-{next(self._keys)}"
+                blob = _HostBytes(digest, data.nbytes, data)
+                future = self._client.scatter({key: blob}, hash=False)[key]
+                sent = self._sent[digest] = _Sent(future)
+                self._bytes_sent += data.nbytes
+            sent.calls += 1
+            for other, held in list(self._sent.items()):  # an object changed since: not
+                if other != digest:  # kept for it any more
+                    held.sources = [r for r in held.sources if r() is not source]
+                    self._maybe_release(other, held)
+            with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
+                if not any(ref() is source for ref in sent.sources):
+                    sent.sources.append(weakref.ref(source, partial(self._source_gone, digest)))
+                if any(source is a for a in arguments):
+                    ref = weakref.ref(source, partial(self._read_gone, id(source)))
+                    self._read[id(source)] = read = _Read(ref, address, data.nbytes, at)
+                    read.digest = digest
+        return digest
+
+    def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
+        with self._lock:
+            sent = self._sent.get(digest)
+            if sent is not None:
+                sent.sources = [r for r in sent.sources if r is not ref]
+                self._maybe_release(digest, sent)
+
+    def _read_gone(self, key: int, ref: weakref.ref[Any]) -> None:
+        with self._lock:
+            read = self._read.get(key)
+            if read is not None and read.source is ref:
+                del self._read[key]
+
+    def _maybe_release(self, digest: bytes, sent: _Sent) -> None:
+        # Under self._lock. Kept while a call holds it or an object it came from lives.
+        if sent.calls == 0 and (self._shut_down or all(r() is None for r in sent.sources)):
+            del self._sent[digest]
+            sent.future.release()
+
+    # -- results: in a Dask callback thread -----------------------------------------------
 
     def _done(self, call: _Call, remote: Any) -> None:
-        """In a Dask callback thread: deliver a call's outcome, then free what it held."""
+        """Deliver a call's outcome, then free what it held."""
+        with self._lock:
+            self._in_dask -= 1  # the next call may go while this one's result comes back
+            self._changed.notify_all()
         try:
             self._deliver(call, remote)
         finally:
             remote.release()  # (done already, unless delivering failed)
-            with self._lock:
-                self._running.pop(call.future, None)
-                self._forget(call)
-                self._idle.notify_all()
-                idle = self._close_when_idle and not self._running and not self._queue
-            if idle:  # shutdown(wait=False) was called
-                self._start_closing()
-            else:
-                self._dispatch()
+            self._finished(call, remote)
+
+    def _finished(self, call: _Call, remote: Any) -> None:
+        with self._lock:
+            if remote is None:  # it never reached Dask
+                self._in_dask -= 1
+            self._running.pop(call.future, None)
+            for digest in call.digests:
+                sent = self._sent.get(digest)
+                if sent is not None:
+                    sent.calls -= 1
+                    self._maybe_release(digest, sent)
+            call.digests = []
+            self._changed.notify_all()
+            idle = self._close_when_idle and not self._running and not self._queue
+        if idle:  # shutdown(wait=False) was called
+            self._start_closing()
 
     def _deliver(self, call: _Call, remote: Any) -> None:
         future = call.future
@@ -666,11 +762,10 @@ class ClusterExecutor(Executor):
             self._shut_down = True
             if cancel_futures:
                 while self._queue:
-                    call = self._queue.popleft()
-                    call.future.cancel()
-                    self._forget(call)
+                    self._queue.popleft().future.cancel()
+            self._changed.notify_all()
             if wait:
-                self._idle.wait_for(lambda: not self._running and not self._queue)
+                self._changed.wait_for(lambda: not self._running and not self._queue)
             else:
                 self._close_when_idle = True
             idle = not self._running and not self._queue
@@ -691,8 +786,12 @@ class ClusterExecutor(Executor):
             return self._closer
 
     def _release_all(self) -> None:
+        dispatcher = self._dispatcher
+        if dispatcher is not None:
+            dispatcher.join()
         with self._lock:
             sent, self._sent = list(self._sent.values()), {}
+            self._read = {}
         for s in sent:
             s.future.release()
         if self._client.status == "running":
