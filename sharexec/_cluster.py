@@ -303,10 +303,12 @@ def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
 def _changes(before: np.ndarray, after: np.ndarray) -> Any:
     """What changed between two arrays of one shape: None, ``(None, all values)`` or
     ``(packed mask, values changed)``, compared byte for byte (NaN, -0.0)."""
-    width = before.dtype.itemsize
-    old = before.reshape(-1).view(np.uint8).reshape(-1, width)
-    new = np.ascontiguousarray(after).reshape(-1).view(np.uint8).reshape(-1, width)
-    mask = (old != new).any(axis=1)
+    size = before.dtype.itemsize
+    word = next(w for w in (8, 4, 2, 1) if size % w == 0)  # compared a word at a time
+    old = before.reshape(-1).view(f"u{word}")
+    new = np.ascontiguousarray(after).reshape(-1).view(f"u{word}")
+    differ = old != new
+    mask = differ if word == size else differ.reshape(-1, size // word).any(axis=1)
     if not mask.any():
         return None
     if mask.all():
@@ -523,6 +525,9 @@ class ClusterExecutor(Executor):
         self._shut_down = False
         self._close_when_idle = False
         self._dispatcher: threading.Thread | None = None  # see _dispatch
+        # Fetches results and writes changes back, in the order the calls finish, so that
+        # neither Dask's one callback thread nor the dispatcher waits for that.
+        self._results = ThreadPoolExecutor(1, thread_name_prefix="sharexec-cluster-results")
         self._closer: threading.Thread | None = None  # see _start_closing
         self._threads = -2.0, 1  # (when counted, worker threads): refreshed each second
 
@@ -668,13 +673,17 @@ class ClusterExecutor(Executor):
             del self._sent[digest]
             sent.future.release()
 
-    # -- results: in a Dask callback thread -----------------------------------------------
+    # -- results: in a Dask callback thread, then in the results thread -------------------
 
     def _done(self, call: _Call, remote: Any) -> None:
-        """Deliver a call's outcome, then free what it held."""
+        """A call finished on the cluster: the next may go while its result comes back."""
         with self._lock:
-            self._in_dask -= 1  # the next call may go while this one's result comes back
+            self._in_dask -= 1
             self._changed.notify_all()
+        self._results.submit(self._collect, call, remote)
+
+    def _collect(self, call: _Call, remote: Any) -> None:
+        """In the results thread: deliver a call's outcome, then free what it held."""
         try:
             self._deliver(call, remote)
         finally:
@@ -789,6 +798,7 @@ class ClusterExecutor(Executor):
         dispatcher = self._dispatcher
         if dispatcher is not None:
             dispatcher.join()
+        self._results.shutdown(wait=True)
         with self._lock:
             sent, self._sent = list(self._sent.values()), {}
             self._read = {}
