@@ -491,6 +491,9 @@ class ClusterExecutor(Executor):
                 f"a given client or address: {', '.join(sorted(cluster_options))}"
             )
         _register_sizeof()
+        # Blobs go straight to a worker, unless the client says not to: through the
+        # scheduler, it would hold each blob's bytes too while the worker stores them.
+        self._direct = getattr(client, "direct_to_workers", None) is not False
         # Typed Any: distributed's API is untyped. The client, e.g. <Client: 'tcp://…'>.
         self._cluster: Any = None
         self._client: Any
@@ -637,7 +640,7 @@ class ClusterExecutor(Executor):
             if sent is None:
                 key = f"{self._token}-blob-{next(self._keys)}"
                 blob = _HostBytes(digest, data.nbytes, data)
-                future = self._client.scatter({key: blob}, hash=False)[key]
+                future = self._client.scatter({key: blob}, hash=False, direct=self._direct)[key]
                 sent = self._sent[digest] = _Sent(future)
                 self._bytes_sent += data.nbytes
             sent.calls += 1
