@@ -39,11 +39,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import distributed  # noqa: E402
-import tasks  # noqa: E402
-from measure import MemorySampler  # noqa: E402
+import tasks
 
-import sharexec  # noqa: E402
+import sharexec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "docs", "cluster-bench.json")
+PAGE = os.path.join(ROOT, "docs", "scaling-out.md")
+BEGIN, END = "<!-- cluster-bench: begin -->\n", "<!-- cluster-bench: end -->"
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -80,8 +83,10 @@ def bounds(n: int, parts: int) -> list[tuple[int, int]]:
 def fill_get_executor(client: Any, n: int, parts: int) -> np.ndarray:
     ex = client.get_executor()
     out = np.empty(n)
-    futures = [(lo, hi, ex.submit(tasks.fresh, hi - lo, float(i))) for i, (lo, hi) in
-               enumerate(bounds(n, parts))]
+    futures = [
+        (lo, hi, ex.submit(tasks.fresh, hi - lo, float(i)))
+        for i, (lo, hi) in enumerate(bounds(n, parts))
+    ]
     for lo, hi, f in futures:
         out[lo:hi] = f.result()
     return out
@@ -89,8 +94,10 @@ def fill_get_executor(client: Any, n: int, parts: int) -> np.ndarray:
 
 def fill_expert(client: Any, n: int, parts: int) -> np.ndarray:
     out = np.empty(n)
-    futures = [(lo, hi, client.submit(tasks.fresh, hi - lo, float(i), pure=False)) for
-               i, (lo, hi) in enumerate(bounds(n, parts))]
+    futures = [
+        (lo, hi, client.submit(tasks.fresh, hi - lo, float(i), pure=False))
+        for i, (lo, hi) in enumerate(bounds(n, parts))
+    ]
     for lo, hi, f in futures:
         out[lo:hi] = f.result()
     return out
@@ -99,8 +106,10 @@ def fill_expert(client: Any, n: int, parts: int) -> np.ndarray:
 def fill_sharexec(client: Any, n: int, parts: int) -> np.ndarray:
     out = sharexec.zeros(n)
     with sharexec.ClusterExecutor(client) as ex:
-        futures = [ex.submit(tasks.fill, out[lo:hi], float(i)) for i, (lo, hi) in
-                   enumerate(bounds(n, parts))]
+        futures = [
+            ex.submit(tasks.fill, out[lo:hi], float(i))
+            for i, (lo, hi) in enumerate(bounds(n, parts))
+        ]
         for f in futures:
             f.result()
     return out
@@ -112,6 +121,8 @@ FILL = dict(zip(SYSTEMS, [fill_get_executor, fill_expert, fill_sharexec], strict
 
 
 def measure(run: Callable[[], Any], check: Callable[[Any], bool]) -> tuple[float, int]:
+    from measure import MemorySampler
+
     gc.collect()
     with MemorySampler() as memory:
         start = time.perf_counter()
@@ -173,12 +184,75 @@ def _held(before: dict[str, Any], after: dict[str, Any], shm: int) -> dict[str, 
 # ---------------------------------------------------------------------------------------
 
 
+def render(run: dict[str, Any]) -> str:
+    """The docs' block of figures, from a run's results (``--json``)."""
+    lines = [
+        f"Load average at the start and end of the run: {run['load'][0]} and "
+        f"{run['load'][1]}; arrays of {run['n'] * 8 / 1e6:.0f} MB; medians of "
+        f"{run['reps']} repetitions.",
+        "",
+        "| workload | system | time (s) | peak extra memory (MB) |",
+        "|---|---|---|---|",
+    ]
+    for row in run["rows"]:
+        lines.append(
+            f"| {row['workload']} | {row['system']} | {row['time_s']:.2f} | "
+            f"{row['memory_mb']:.0f} |"
+        )
+    lines += [
+        "",
+        f"One {run['n'] * 8 / 1e6:.0f} MB array held by both workers of the host "
+        "(`client.replicate`), the change in each worker's memory and in sharexec's "
+        "`/dev/shm` files (MB):",
+        "",
+        "| sent with | resident, per worker | private, per worker | Dask's managed, per "
+        "worker | /dev/shm |",
+        "|---|---|---|---|---|",
+    ]
+    for system, f in run["point5"].items():
+        cells = [", ".join(f"{v:.0f}" for v in f[what]) for what in ("rss", "uss", "managed")]
+        lines.append(f"| {system} | {' | '.join(cells)} | {f['shm']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def rendered_page(run: dict[str, Any]) -> str:
+    """docs/scaling-out.md with its block of figures rendered from ``run``."""
+    with open(PAGE, encoding="utf-8") as f:
+        text = f.read()
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    return head + BEGIN + render(run) + END + tail
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as uptime shows them."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def load() -> dict[str, Any]:
+    with open(RESULTS, encoding="utf-8") as f:
+        run: dict[str, Any] = json.load(f)
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument(
+        "--render", action="store_true", help=f"rewrite the figures of the docs from {RESULTS}"
+    )
     opts = parser.parse_args()
+    if opts.render:
+        page = rendered_page(load())
+        with open(PAGE, "w", encoding="utf-8") as f:
+            f.write(page)
+        return
+    import distributed
+
+    load_at_start = load_average()
     n = int(25_000_000 * opts.scale)  # 200 MB of float64
     cluster = distributed.LocalCluster(
         processes=True, n_workers=2, threads_per_worker=1, dashboard_address=":0"
@@ -187,10 +261,15 @@ def main() -> None:
     client.wait_for_workers(2)
     a = np.random.default_rng(0).random(n)
     expected = a.sum()
-    times: dict[str, dict[str, list[float]]] = {w: {s: [] for s in SYSTEMS} for w in ("W1", "fill")}
+    times: dict[str, dict[str, list[float]]] = {
+        w: {s: [] for s in SYSTEMS} for w in ("W1", "fill")
+    }
     peaks: dict[str, dict[str, list[int]]] = {w: {s: [] for s in SYSTEMS} for w in ("W1", "fill")}
-    print(f"uptime: {open('/proc/loadavg').read().split()[:3]}, n = {n:,} float64 "
-          f"({n * 8 / MB:.0f} MB), {opts.reps} repetitions", flush=True)
+    print(
+        f"load average: {load_at_start}, n = {n:,} float64 "
+        f"({n * 8 / MB:.0f} MB), {opts.reps} repetitions",
+        flush=True,
+    )
     for rep in range(opts.reps):
         for system in SYSTEMS:
             t, m = measure(
@@ -205,10 +284,13 @@ def main() -> None:
             )
             times["fill"][system].append(t)
             peaks["fill"][system].append(m)
-            print(f"rep {rep} {system}: W1 {times['W1'][system][-1]:.2f} s, "
-                  f"fill {times['fill'][system][-1]:.2f} s", flush=True)
+            print(
+                f"rep {rep} {system}: W1 {times['W1'][system][-1]:.2f} s, "
+                f"fill {times['fill'][system][-1]:.2f} s",
+                flush=True,
+            )
     rows = []
-    print(f"\n| workload | system | time (s) | peak extra memory (MB) |\n|---|---|---|---|")
+    print("\n| workload | system | time (s) | peak extra memory (MB) |\n|---|---|---|---|")
     for workload in ("W1", "fill"):
         for system in SYSTEMS:
             t = statistics.median(times[workload][system])
@@ -218,12 +300,23 @@ def main() -> None:
     held = point5(client, a)
     print(f"\npoint 5, one {a.nbytes / MB:.0f} MB array held by both workers (MB per worker):")
     for system, f in held.items():
-        print(f"  {system}: rss {f['rss']}, uss {f['uss']}, Dask managed {f['managed']}, "
-              f"sharexec /dev/shm {f['shm']:.0f}")
-    print(f"uptime: {open('/proc/loadavg').read().split()[:3]}")
+        print(
+            f"  {system}: rss {f['rss']}, uss {f['uss']}, Dask managed {f['managed']}, "
+            f"sharexec /dev/shm {f['shm']:.0f}"
+        )
+    load_at_end = load_average()
+    print(f"load average: {load_at_end}")
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"rows": rows, "point5": held, "n": n}, f, indent=1)
+            run = {
+                "rows": rows,
+                "point5": held,
+                "n": n,
+                "reps": opts.reps,
+                "load": [load_at_start, load_at_end],
+                "command": " ".join(sys.argv),
+            }
+            json.dump(run, f, indent=1)
     client.close()
     cluster.close()
 
