@@ -9,23 +9,29 @@ load it).
 Data flow, in the order a submitted call travels::
 
   submit(fn, *args, **kwargs)                                      user thread
-    └─ _pack: ONE cloudpickle pass at protocol 5 over (fn, args, kwargs)
+    └─ a _Call in the queue, stamped with the executor's clock; nothing is read yet
+  dispatcher thread: while fewer than two calls per worker thread are in Dask
+    └─ the call is running now (set_running_or_notify_cancel); _pack:
+       ONE cloudpickle pass at protocol 5 over (fn, args, kwargs)
          reducer_override(ndarray)
            in a shared segment (any view)   ─▶ a slot: its values now (a snapshot), to be
-                                               rebuilt as a private array in the task
+                                               rebuilt as the task's own array
            large and gappy                  ─▶ a contiguous copy, then as below
-         buffer_callback(PickleBuffer)      (large arrays, pandas, pyarrow, bytearray…)
+         buffer_callback(PickleBuffer)      (large arrays, pandas, pyarrow…)
            < min_share_bytes                ─▶ in the payload
+           an argument whose bytes were     ─▶ that blob (no hash: any moment between the
+             hashed after this call's submit     call's submit and dispatch is its own)
            otherwise                        ─▶ its SHA-256: a blob already on the cluster
                                                with that digest, or scattered once now
                                                (_HostBytes, client.scatter)
-       the call waits in our queue; at most two per worker thread are given to Dask
-  dispatch: client.submit(_run, payload, blobs, pure=False): the future is now running
+    └─ client.submit(_run, payload, blobs, pure=False, key=<fn>-<token>-<n>)
   worker:   each blob a _HostBytes, one per host in a sharexec segment; the task gets a
             copy-on-write mapping of it (writes stay its own); slots rebuilt from their
             snapshots; fn(*args, **kwargs); what it changed in each slot, packed
-  client:   (a Dask callback thread) the result fetched and released on the cluster; the
-            changed elements written into the shared arrays; then the future completes
+  Dask's callback thread: the call is out of Dask (the next may go) ─▶ results thread:
+            the outcome fetched and released on the cluster; the changed elements
+            written into the shared arrays; then the future completes; its blobs are let
+            go of (released when no call holds them and no object they came from lives)
 
 On a host, the first worker to receive a blob copies it into a segment it owns (tracked
 and swept as every sharexec segment); a worker on the same host that receives it from
@@ -244,7 +250,7 @@ class _Packer(cloudpickle.Pickler):  # type: ignore[misc]
         self.slots: list[np.ndarray] = []
         self.buffers: list[memoryview] = []
         # The plain views of shared memory made for the slots, pickled as data, by id,
-        # e.g. {140213: <ndarray>}: read at submit (their bytes hashed, sent or in-band).
+        # e.g. {140213: <ndarray>}: read at dispatch (their bytes hashed, sent or in-band).
         self.snapshots: dict[int, np.ndarray] = {}
 
     def reducer_override(self, obj: Any) -> Any:
@@ -280,7 +286,7 @@ _unpacking = threading.local()
 
 
 def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
-    """Rebuilt in the task: its own copy of a shared view's values at submit.
+    """Rebuilt in the task: its own copy of a shared view's values at dispatch.
 
     A snapshot sent as a blob is already the task's own (a copy-on-write mapping): the
     task writes into it, and the values it started from are read from the blob's
@@ -598,8 +604,7 @@ class ClusterExecutor(Executor):
         counted, threads = self._threads
         now = time.monotonic()
         if now - counted > 1.0:
-            info = self._client.scheduler_info()
-            threads = max(1, sum(w.get("nthreads", 1) for w in info["workers"].values()))
+            threads = max(1, sum(self._client.nthreads().values()))
             self._threads = now, threads
         return _PER_THREAD * threads
 
@@ -725,10 +730,14 @@ class ClusterExecutor(Executor):
         except BaseException as exc:  # cancelled by the cluster, the client closed…
             future.set_exception(exc)
             return
-        changes = outcome[-1]
-        for index, change in changes:
-            _write_back(call.slots[index], change)
-        call.slots = []
+        try:
+            for index, change in outcome[-1]:
+                _write_back(call.slots[index], change)
+        except BaseException as exc:  # (a view made read-only meanwhile, say)
+            future.set_exception(exc)
+            return
+        finally:
+            call.slots = []
         if outcome[0] == "ok":
             future.set_result(outcome[1])
         else:

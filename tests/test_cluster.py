@@ -38,6 +38,8 @@ from conftest import segments_now  # noqa: E402
 
 from sharexec import _cluster, _tracking  # noqa: E402
 
+dask = pytest.importorskip("dask")
+
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
@@ -531,3 +533,40 @@ def test_an_owned_local_cluster_is_closed_at_shutdown():
     assert time.monotonic() - started < 60
     with pytest.raises(TypeError, match="cluster options"):
         sharexec.ClusterExecutor("tcp://127.0.0.1:1", n_workers=2)
+
+
+# ---------------------------------------------------------------------------------------
+# Dask's start methods
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_the_seed_program_under_each_start_method_of_dask_workers(method):
+    """The workers are Dask's: they start with Dask's method (not the ``start_method``
+    fixture's, which includes loky's own); the program runs the same under each."""
+    before = segments_now()
+    with dask.config.set({"distributed.worker.multiprocessing-method": method}):
+        cluster = distributed.LocalCluster(
+            processes=True, n_workers=1, threads_per_worker=1, dashboard_address=":0"
+        )
+    client = distributed.Client(cluster)
+    try:
+        with sharexec.ClusterExecutor(client) as ex:
+            out = sharexec.zeros((256, 1024))
+            bounds = [0, 64, 128, 256]
+            for f in [
+                ex.submit(fill_rows, out[lo:hi], lo) for lo, hi in itertools.pairwise(bounds)
+            ]:
+                f.result()
+            a = np.ones(MiB // 8)
+            assert list(ex.map(bump_first, [a] * 2)) == [2.0, 2.0] and a[0] == 1.0
+        assert_cluster_clean(client, ex)
+    finally:
+        client.close()
+        cluster.close()
+    expected = np.sin(np.arange(256)[:, None] * np.linspace(0.0, 1.0, 1024))
+    assert np.array_equal(out, expected)
+    del out
+    gc.collect()
+    assert segments_now() - before == set()
