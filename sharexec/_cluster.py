@@ -497,8 +497,8 @@ class ClusterExecutor(Executor):
                 f"a given client or address: {', '.join(sorted(cluster_options))}"
             )
         _register_sizeof()
-        # Blobs go straight to a worker, unless the client says not to: through the
-        # scheduler, it would hold each blob's bytes too while the worker stores them.
+        # Blobs go straight to a worker, and results come straight from one, unless the
+        # client says not to: through the scheduler, it would hold their bytes as well.
         self._direct = getattr(client, "direct_to_workers", None) is not False
         # Typed Any: distributed's API is untyped. The client, e.g. <Client: 'tcp://…'>.
         self._cluster: Any = None
@@ -718,7 +718,7 @@ class ClusterExecutor(Executor):
         future = call.future
         try:
             if remote.status == "finished":
-                outcome = remote.result()
+                outcome = self._client.gather(remote, direct=self._direct)  # as blobs go
                 remote.release()  # the result leaves the cluster before the future is done
             else:  # our wrapper failed (unpickling the call), or the cluster did
                 error = remote.exception()

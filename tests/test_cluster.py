@@ -370,7 +370,7 @@ async def loop_turn() -> None:
 
 def test_differential_evolution_through_map(ex):
     scipy_optimize = pytest.importorskip("scipy.optimize")
-    options: dict[str, Any] = {"updating": "deferred", "rng": 1234, "maxiter": 15}
+    options: dict[str, Any] = {"updating": "deferred", "rng": 1234, "maxiter": 5}
     bounds = [(-2.0, 2.0)] * 3
     serial = scipy_optimize.differential_evolution(scipy_optimize.rosen, bounds, **options)
     remote = scipy_optimize.differential_evolution(
