@@ -430,7 +430,7 @@ class _Call:
 class ClusterExecutor(Executor):
     """A :class:`concurrent.futures.Executor` whose tasks run on a Dask cluster.
 
-    The cluster counterpart of :class:`SharedProcessPoolExecutor` (see :doc:`scaling-out`):
+    The cluster counterpart of :class:`SharedProcessPoolExecutor` (see :doc:`/scaling-out`):
     the same program, with the same results, when it outgrows one machine. Dask
     distributed schedules the tasks and moves the data. Unlike
     ``distributed.Client.get_executor()``, it behaves as the standard library's executors:
