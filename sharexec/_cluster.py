@@ -214,7 +214,8 @@ def _register_sizeof() -> None:
     if not _sizeof_registered:
         from dask.sizeof import sizeof
 
-        sizeof.register(_HostBytes)(_sizeof)  # type: ignore[no-untyped-call]
+        register: Any = sizeof.register  # untyped
+        register(_HostBytes)(_sizeof)
         _sizeof_registered = True
 
 
