@@ -213,6 +213,18 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/run.py", *session.posargs)
 
 
+@nox.session(name="bench-cluster", default=False)
+def bench_cluster(session: nox.Session) -> None:
+    """The cluster executor beside plain and expert Dask (``bench/cluster_bench.py``).
+
+    Installs the ``dask`` and ``bench`` extras; e.g. ``nox -s bench-cluster -- --scale
+    0.25``; ``-- --json docs/cluster-bench.json``, then ``-- --render``, publishes a run
+    in the docs.
+    """
+    session.install(".[dask,bench]")
+    session.run("python", "bench/cluster_bench.py", *session.posargs)
+
+
 # The Pythons whose own test_concurrent_futures nox -s compat runs.
 COMPAT_PYTHONS = ["3.11", "3.13"]
 

@@ -23,10 +23,12 @@ if TYPE_CHECKING:
         zeros,
         zeros_like,
     )
+    from ._cluster import ClusterExecutor, use_cluster
     from ._executor import SharedProcessPoolExecutor, Statistics, get_executor
     from .errors import ConfigError, ResultError, SegmentError, SharexecError, SharexecWarning
 
 __all__ = [
+    "ClusterExecutor",
     "ConfigError",
     "ResultError",
     "SegmentError",
@@ -44,6 +46,7 @@ __all__ = [
     "ones",
     "ones_like",
     "share",
+    "use_cluster",
     "zeros",
     "zeros_like",
 ]
@@ -56,6 +59,7 @@ _HOMES = {
         ["ConfigError", "ResultError", "SegmentError", "SharexecError", "SharexecWarning"],
         ".errors",
     ),
+    **dict.fromkeys(["ClusterExecutor", "use_cluster"], "._cluster"),
     **dict.fromkeys(["SharedProcessPoolExecutor", "Statistics", "get_executor"], "._executor"),
 }
 

@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 
 from . import _tracking
 from ._batching import Batching
+from ._cluster import ClusterExecutor, chosen
 from ._config import Options
 from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context, warm_context
 from ._transport import Task, Transport, pooled_everywhere
@@ -734,8 +735,13 @@ _process_wide_lock = threading.Lock()
 _process_wide: _ProcessWideExecutor | None = None
 
 
-def get_executor(max_workers: int | None = None, **options: Any) -> SharedProcessPoolExecutor:
+def get_executor(
+    max_workers: int | None = None, **options: Any
+) -> SharedProcessPoolExecutor | ClusterExecutor:
     """The process-wide executor, for library code that wants to parallelize.
+
+    Within a :func:`sharexec.use_cluster` block, the user's choice: that block's
+    :class:`ClusterExecutor`, whatever the arguments (the cluster's size is the user's).
 
     Created at the first call and reused by every later one, from any thread: libraries
     share one pool of workers instead of each starting its own. Each worker's BLAS and
@@ -755,10 +761,13 @@ def get_executor(max_workers: int | None = None, **options: Any) -> SharedProces
 
     Returns
     -------
-    SharedProcessPoolExecutor
+    SharedProcessPoolExecutor or ClusterExecutor
         The executor; use ``submit`` and ``map`` as usual.
     """
     global _process_wide
+    cluster = chosen()
+    if cluster is not None:
+        return cluster
     settings = Options.resolve(options)
     with _process_wide_lock:
         current = _process_wide

@@ -69,6 +69,7 @@ __all__ = [
     "SweeperAddress",
     "adopt",
     "adopt_private",
+    "attach_held",
     "attach_lent",
     "attach_private",
     "attach_shared",
@@ -428,6 +429,16 @@ def call_holders() -> dict[str, Any] | None:
 def attach_private(name: str, size: int) -> Mapping:
     """Map a copy segment copy-on-write: writes stay in this process."""
     return _segments.attach(name, size, private=True)
+
+
+def attach_held(name: str, size: int) -> Mapping:
+    """Map a segment shared, to keep its memory alive, without touching a page of it.
+
+    An untouched mapping costs this process no resident memory, and the memory stays
+    reachable through it after the segment's owner unlinks it (a cluster worker sharing
+    another's copy on one host, :mod:`sharexec._cluster`). Not listed as shared.
+    """
+    return _segments.attach(name, size, private=False)
 
 
 def attach_lent(name: str, size: int) -> Mapping:

@@ -151,18 +151,22 @@ def run(call: Any) -> Any:
     if type(call) is _Unloadable:
         error, call.error = call.error, None  # loky's call item holds the call meanwhile
         assert error is not None
-        _raise_picklable(error)
-        raise error  # with its traceback from load_call
+        stand_in = _picklable_stand_in(error)
+        raise error if stand_in is None else stand_in  # with its traceback from load_call
     (fn, args, kwargs), options, mapped, (token, lent), shared = call
     call.clear()
+    stand_in = None
     start = time.perf_counter()
     try:
         result = fn(*args, **kwargs)
     except Exception as exc:
-        _raise_picklable(exc)
-        raise
+        stand_in = _picklable_stand_in(exc)
+        if stand_in is None:
+            raise
     finally:
         _loky.note_run_seconds(time.perf_counter() - start)
+    if stand_in is not None:
+        raise stand_in  # out of the handler: nothing chains it to the unpicklable exception
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
     return _pack(result, options, mapped, token, lent, shared)
 
@@ -266,17 +270,15 @@ def _run_batch(
                 del entry
                 if isinstance(functions, BaseException):
                     raise functions.with_traceback(functions.__traceback__)
-                try:
-                    result = functions[index](*args, **(kwargs or {}))
-                except Exception as exc:
-                    _raise_picklable(exc)
-                    raise
+                result = functions[index](*args, **(kwargs or {}))
                 del args, kwargs
                 value = _pack(result, options, [], token, [], [])
                 del result
         except BaseException as exc:
-            outcome.add_failure(work_id, exc, clock() - start)
-            del exc
+            # An exception that cannot be sent back is replaced, as run() replaces it.
+            failure = (_picklable_stand_in(exc) if isinstance(exc, Exception) else None) or exc
+            outcome.add_failure(work_id, failure, clock() - start)
+            del exc, failure
         else:
             outcome.add(work_id, value, clock() - start)
             del value
@@ -409,16 +411,24 @@ def _dumps_in_band(result: Any, options: Options) -> bytes | None:
     return out.getvalue()
 
 
-def _raise_picklable(exc: Exception) -> None:
-    """Replace a task's exception that cannot be pickled: loky's worker would die of it."""
+def _picklable_stand_in(exc: Exception) -> RuntimeError | None:
+    """What to raise instead of a task's exception that cannot be pickled (loky's worker
+    would die of it), or None if it can be.
+
+    To be raised out of any ``except`` block: an exception raised in one keeps the one
+    handled as its ``__context__``, and where tblib's pickling support is installed
+    (importing ``distributed`` installs it for every exception class), an exception is
+    pickled with its ``__context__``.
+    """
     try:
         cloudpickle.dumps(exc)
     except Exception as why:
         remote = "".join(traceback.format_exception(exc))
-        raise RuntimeError(
+        return RuntimeError(
             f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent back "
             f"to the parent: {why}\n\nIts traceback in the worker:\n{remote}"
-        ) from None
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------

@@ -193,17 +193,21 @@ def no_leaks() -> Iterator[None]:
     """Fails the test if it leaves a child process or a sharexec segment behind."""
     before = segments_now()
     yield
-    gc.collect()
-    # The process's warm segments of collected shared arrays, served again to the next
-    # allocation, are held by design (bounded, dropped after WARM_IDLE_SECONDS): dropped
-    # now, each must be gone.
-    from sharexec._arrays import recycling
-
-    recycling.clear()
+    drop_warm_arrays()
     assert_none_left(segments_now() - before)
     if workers_left():
         faults_plugin.crashed("processes left behind")
     assert not workers_left(), f"processes left behind: {workers_left()}"
+
+
+def drop_warm_arrays() -> None:
+    """Collect garbage, and drop the process's warm segments of collected shared arrays:
+    served again to the next allocation, they are held by design (bounded, dropped after
+    WARM_IDLE_SECONDS). After this, every segment a test made must be gone."""
+    gc.collect()
+    from sharexec._arrays import recycling
+
+    recycling.clear()
 
 
 def assert_none_left(left: set[str]) -> None:

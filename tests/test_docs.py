@@ -174,6 +174,21 @@ def test_every_benchmark_figure_comes_from_the_committed_run():
     assert render.stale(run) == [], "run python bench/render.py"
 
 
+def test_the_cluster_figures_come_from_the_committed_run():
+    """The figures of "Scaling out" are rendered from docs/cluster-bench.json (one run of
+    bench/cluster_bench.py) by ``bench/cluster_bench.py --render``, and agree with it."""
+    pytest.importorskip("psutil", reason="bench/cluster_bench.py imports bench/measure.py")
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import cluster_bench
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    run = cluster_bench.load()
+    assert {row["system"] for row in run["rows"]} == set(cluster_bench.SYSTEMS)
+    page = (DOCS / "scaling-out.md").read_text(encoding="utf-8")
+    assert page == cluster_bench.rendered_page(run), "run python bench/cluster_bench.py --render"
+
+
 def test_the_docs_stand_alone():
     """No page refers to what is not in the repository (the project's design contract)."""
     for page in sorted(DOCS.rglob("*.md")):

@@ -1,0 +1,913 @@
+"""ClusterExecutor: the same program on a Dask cluster (DESIGN.md D9), and ``use_cluster``.
+
+This module owns the cluster executor, the choice that makes :func:`sharexec.get_executor`
+return one, and what runs of it in a Dask worker. Dask distributed schedules and moves the
+data; sharexec only decides what to send, once, and how each task sees it. ``distributed``
+is imported only when an executor is made (``import sharexec`` and ``get_executor`` never
+load it).
+
+Data flow, in the order a submitted call travels::
+
+  submit(fn, *args, **kwargs)                                      user thread
+    └─ a _Call in the queue, stamped with the executor's clock; nothing is read yet
+  dispatcher thread: while fewer than two calls per worker thread are in Dask
+    └─ the call is running now (set_running_or_notify_cancel); _pack:
+       ONE cloudpickle pass at protocol 5 over (fn, args, kwargs)
+         reducer_override(ndarray)
+           in a shared segment (any view)   ─▶ a slot: its values now (a snapshot), to be
+                                               rebuilt as the task's own array
+           large and gappy                  ─▶ a contiguous copy, then as below
+         buffer_callback(PickleBuffer)      (large arrays, pandas, pyarrow…)
+           < min_share_bytes                ─▶ in the payload
+           an argument whose bytes were     ─▶ that blob (no hash: any moment between the
+             hashed after this call's submit     call's submit and dispatch is its own)
+           otherwise                        ─▶ its SHA-256: a blob already on the cluster
+                                               with that digest, or scattered once now
+                                               (_HostBytes, client.scatter)
+    └─ client.submit(_run, payload, blobs, pure=False, key=<fn>-<token>-<n>)
+  worker:   each blob a _HostBytes, one per host in a sharexec segment; the task gets a
+            copy-on-write mapping of it (writes stay its own); slots rebuilt from their
+            snapshots; fn(*args, **kwargs); what it changed in each slot, packed
+  Dask's callback thread: the call is out of Dask (the next may go) ─▶ results thread:
+            the outcome fetched and released on the cluster; the changed elements
+            written into the shared arrays; then the future completes; its blobs are let
+            go of (released when no call holds them and no object they came from lives)
+
+On a host, the first worker to receive a blob copies it into a segment it owns (tracked
+and swept as every sharexec segment); a worker on the same host that receives it from
+that one maps the segment by name instead of keeping what it received. A worker maps a
+blob's pages only while a task uses them, so no worker's resident memory counts them
+between tasks, and Dask's ``sizeof`` of a blob is its handle's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import itertools
+import os
+import pickle
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from functools import partial
+from itertools import islice
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import cloudpickle
+import numpy as np
+
+from . import _segments, _tracking
+from ._arrays import byte_bounds
+from ._config import Options
+from .errors import SegmentError
+
+if TYPE_CHECKING:
+    import distributed
+
+__all__ = ["ClusterExecutor", "RemoteTraceback", "chosen", "use_cluster"]
+
+T = TypeVar("T")
+
+# Calls given to Dask at once, per worker thread: one running, one ready to start.
+_PER_THREAD = 2
+# Hashed on several threads above this size (SHA-256 runs at about 1.4 GB/s a core).
+_HASH_PIECE = 32 << 20
+# How long shutdown(wait=True) waits for the cluster to forget this executor's blobs.
+_FORGET_TIMEOUT = 30.0
+
+
+# ---------------------------------------------------------------------------------------
+# Blobs: bytes sent to the cluster once, one copy per host
+# ---------------------------------------------------------------------------------------
+
+
+def _host() -> str:
+    """What tells hosts apart: the boot, and the shared-memory folder's file system (two
+    workers in private /dev/shm mounts are two hosts)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    st = os.stat(_segments.SHM_FOLDER)
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
+class _HostBytes:
+    """The bytes of one large buffer, as the cluster holds them.
+
+    In the client, ``data`` is the user's buffer, read when Dask pickles it (at scatter).
+    In a worker, the bytes live in the sharexec segment ``name`` on this host: created and
+    owned by this process (``owner``, the handle that unlinks it), or another worker's,
+    kept alive by ``held``, a mapping never touched. When neither is possible (shared
+    memory full), ``data`` holds the bytes in this process.
+    """
+
+    __slots__ = ("__weakref__", "data", "digest", "held", "name", "owner", "size")
+
+    def __init__(
+        self,
+        digest: bytes,
+        size: int,
+        data: Any = None,
+        name: str | None = None,
+        owner: object = None,
+        held: _segments.Mapping | None = None,
+    ) -> None:
+        self.digest = digest  # e.g. b"\x9f\x86…" (SHA-256 of the bytes and their length)
+        self.size = size
+        self.data = data
+        self.name = name
+        self.owner = owner
+        self.held = held
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        buffer = self.data if self.name is None else self._mapped()
+        buffer = pickle.PickleBuffer(buffer) if int(protocol) >= 5 else bytes(buffer)
+        return _arrive, (self.digest, self.size, _host(), self.name, buffer)
+
+    def _mapped(self) -> Any:
+        """The bytes, for a worker sending them: the segment mapped for this once (the
+        frames keep it alive until sent), so that the held mapping stays untouched (no
+        resident memory); the held one if the segment's owner on this host let it go."""
+        try:
+            return _tracking.attach_held(self.name, self.size)  # type: ignore[arg-type]
+        except SegmentError:
+            return self.held
+
+    def private(self) -> Any:
+        """A writable buffer of the bytes whose writes stay this caller's."""
+        if self.name is None:
+            return bytearray(self.data)
+        try:
+            return _tracking.attach_private(self.name, self.size)  # copy-on-write
+        except SegmentError:  # its owner on this host let it go: make this one the owner
+            with _here_lock:
+                if self.owner is None:
+                    self._rehome()
+            return _tracking.attach_private(self.name, self.size)
+
+    def _rehome(self) -> None:
+        """Copy the bytes held into a segment of this process's (under _here_lock)."""
+        mine = _copy_in(self.digest, self.size, self.held)
+        self.name, self.owner, self.held = mine.name, mine.owner, mine.held
+        if self.name is None:  # shared memory short: the bytes stay in this process
+            self.data = mine.data
+
+
+# This process's blobs by digest, e.g. {b"\x9f\x86…": <_HostBytes>}: a blob received
+# again (under another key) is not copied again.
+_here: weakref.WeakValueDictionary[bytes, _HostBytes] = weakref.WeakValueDictionary()
+_here_lock = threading.Lock()
+
+
+def _arrive(digest: bytes, size: int, host: str, name: str | None, buffer: Any) -> _HostBytes:
+    """Unpickled in a worker: the blob over this host's one copy of ``buffer``'s bytes."""
+    _register_sizeof()
+    with _here_lock:
+        known = _here.get(digest)
+    if known is not None:
+        return known
+    blob = None
+    if name is not None and host == _host():  # a worker of this host sent its copy
+        with contextlib.suppress(SegmentError):
+            blob = _HostBytes(digest, size, name=name, held=_tracking.attach_held(name, size))
+    if blob is None:
+        blob = _copy_in(digest, size, buffer)
+    with _here_lock:
+        return _here.setdefault(digest, blob)
+
+
+def _copy_in(digest: bytes, size: int, buffer: Any) -> _HostBytes:
+    try:
+        mapping = _tracking.new_private(size)
+    except SegmentError:  # shared memory short: the bytes stay in this process
+        return _HostBytes(digest, size, data=bytes(memoryview(buffer).cast("B")))
+    target = np.frombuffer(mapping, np.uint8)
+    target[:] = np.frombuffer(buffer, np.uint8)
+    del target
+    blob = _HostBytes(
+        digest,
+        size,
+        name=mapping.name,
+        owner=mapping.owner,
+        held=_tracking.attach_held(mapping.name, size),
+    )
+    mapping.close()  # the pages written stay in the segment, in no worker's resident set
+    return blob
+
+
+def _sizeof(blob: _HostBytes) -> int:
+    """What Dask counts for a blob in a worker: its handle, not the host's one copy."""
+    return 200
+
+
+_sizeof_registered = False
+
+
+def _register_sizeof() -> None:
+    """Tell Dask's ``sizeof`` about blobs, once per process (client and workers)."""
+    global _sizeof_registered
+    if not _sizeof_registered:
+        from dask.sizeof import sizeof
+
+        register: Any = sizeof.register  # untyped
+        register(_HostBytes)(_sizeof)
+        _sizeof_registered = True
+
+
+def _digest(data: memoryview) -> bytes:
+    """SHA-256 of the bytes (of pieces hashed on several threads, for large ones)."""
+    n = data.nbytes
+    pieces = [data[i : i + _HASH_PIECE] for i in range(0, n, _HASH_PIECE)] or [data]
+    threads = min(len(pieces), os.cpu_count() or 1)
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="sharexec-digest") as pool:
+            parts = list(pool.map(lambda p: hashlib.sha256(p).digest(), pieces))
+    else:
+        parts = [hashlib.sha256(p).digest() for p in pieces]
+    return hashlib.sha256(b"".join(parts) + n.to_bytes(8, "little")).digest()
+
+
+# ---------------------------------------------------------------------------------------
+# The client's pass: what goes in the payload, what is sent once
+# ---------------------------------------------------------------------------------------
+
+
+class _Packer(cloudpickle.Pickler):  # type: ignore[misc]
+    """Pickles a call; collects its large buffers and its shared arrays.
+
+    ``slots``: the caller's views of shared arrays, in the order the task rebuilds them,
+    e.g. [<SharedArray view of 1000 float64>]; ``buffers``: the large out-of-band buffers
+    in the order the payload consumes them.
+    """
+
+    def __init__(self, file: io.BytesIO, min_share_bytes: int) -> None:
+        super().__init__(file, protocol=5, buffer_callback=self._buffer)
+        self.min_share_bytes = min_share_bytes
+        self.slots: list[np.ndarray] = []
+        self.buffers: list[memoryview] = []
+        # The plain views of shared memory made for the slots, pickled as data, by id,
+        # e.g. {140213: <ndarray>}: read at dispatch (their bytes hashed, sent or in-band).
+        self.snapshots: dict[int, np.ndarray] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        # cloudpickle's own override handles functions and classes: fall through to it.
+        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            if id(obj) in self.snapshots:
+                return NotImplemented  # numpy's own reduction: the bytes
+            if _tracking.find_shared(*byte_bounds(obj)) is not None:
+                self.slots.append(obj)
+                plain = obj.view(np.ndarray)
+                snapshot = plain if plain.flags.c_contiguous else np.ascontiguousarray(plain)
+                self.snapshots[id(snapshot)] = snapshot
+                return _slot, (len(self.slots) - 1, snapshot)
+            dense = obj.flags.c_contiguous or obj.flags.f_contiguous
+            if not dense and obj.nbytes >= self.min_share_bytes:
+                return np.asarray, (np.ascontiguousarray(obj),)  # then out of band
+        return super().reducer_override(obj)
+
+    def _buffer(self, buffer: pickle.PickleBuffer) -> bool:
+        data = buffer.raw()
+        if data.nbytes < self.min_share_bytes:
+            return True  # in the payload
+        self.buffers.append(data)
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# The worker's side of a call
+# ---------------------------------------------------------------------------------------
+
+# In the thread unpickling a call: the shared slots it rebuilt, e.g. [(0, snapshot, copy)].
+_unpacking = threading.local()
+
+
+def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
+    """Rebuilt in the task: its own copy of a shared view's values at dispatch.
+
+    A snapshot sent as a blob is already the task's own (a copy-on-write mapping): the
+    task writes into it, and the values it started from are read from the blob's
+    segment. A small one, unpickled from the payload, is copied.
+    """
+    mapping: Any = snapshot.base
+    while isinstance(mapping, (np.ndarray, memoryview)):  # numpy: ndarray, memoryview, ours
+        mapping = mapping.base if isinstance(mapping, np.ndarray) else mapping.obj
+    if isinstance(mapping, _segments.Mapping) and mapping.private:
+        offset = snapshot.__array_interface__["data"][0] - mapping.address
+        held = _tracking.attach_held(mapping.name, len(mapping))
+        before = np.ndarray(snapshot.shape, snapshot.dtype, held, offset, snapshot.strides)
+        working: np.ndarray = snapshot
+    else:
+        before, working = snapshot, snapshot.copy()
+    _unpacking.slots.append((index, before, working))
+    return working
+
+
+def _changes(before: np.ndarray, after: np.ndarray) -> Any:
+    """What changed between two arrays of one shape: None, ``(None, all values)`` or
+    ``(packed mask, values changed)``, compared byte for byte (NaN, -0.0)."""
+    size = before.dtype.itemsize
+    word = next(w for w in (8, 4, 2, 1) if size % w == 0)  # compared a word at a time
+    old = before.reshape(-1).view(f"u{word}")
+    new = np.ascontiguousarray(after).reshape(-1).view(f"u{word}")
+    differ = old != new
+    mask = differ if word == size else differ.reshape(-1, size // word).any(axis=1)
+    if not mask.any():
+        return None
+    if mask.all():
+        return None, after
+    return np.packbits(mask), after.reshape(-1)[mask]
+
+
+class RemoteTraceback(Exception):
+    """A task's traceback in the worker, as the ``__cause__`` of its exception."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
+    """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", exception,
+    traceback, changes)``, ``changes`` being what it changed of each shared slot."""
+    _unpacking.slots = []
+    try:
+        fn, args, kwargs = pickle.loads(payload, buffers=[b.private() for b in blobs])
+        slots, _unpacking.slots = _unpacking.slots, []
+    finally:
+        _unpacking.slots = []
+    del blobs
+    try:
+        outcome: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
+    except Exception as exc:
+        tb = "".join(traceback.format_exception(exc))
+        try:
+            cloudpickle.dumps(exc)
+        except Exception as why:
+            exc = RuntimeError(
+                f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent "
+                f"back: {why}"
+            )
+        outcome = ("error", exc, tb)
+    del fn, args, kwargs
+    changes = [(index, _changes(before, after)) for index, before, after in slots]
+    return (*outcome, [c for c in changes if c[1] is not None])
+
+
+def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any]:
+    return [fn(*args) for args in chunk]
+
+
+# ---------------------------------------------------------------------------------------
+# The executor
+# ---------------------------------------------------------------------------------------
+
+
+class _Sent:
+    """A blob on the cluster: its Dask future, the calls holding it, and the objects
+    whose bytes it holds (while one lives, a resubmit may find it again)."""
+
+    __slots__ = ("calls", "future", "sources")
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+        self.calls = 0
+        self.sources: list[weakref.ref[Any]] = []
+
+
+class _Read:
+    """When an object's bytes were last hashed, and what they were: the call's arguments
+    submitted before then may be served that blob without hashing again."""
+
+    __slots__ = ("address", "at", "digest", "nbytes", "source")
+
+    def __init__(self, source: weakref.ref[Any], address: int, nbytes: int, at: int) -> None:
+        self.source = source
+        self.address = address  # e.g. 140213466341392: where the bytes were
+        self.nbytes = nbytes
+        self.at = at  # the executor's clock when the hash began, e.g. 17
+        self.digest = b""
+
+
+def _address(data: memoryview) -> int:
+    address: int = np.frombuffer(data, np.uint8).__array_interface__["data"][0]
+    return address
+
+
+class _Call:
+    """A call from submit until its future is done.
+
+    Until it is dispatched it holds its function and arguments (``call``); then its
+    payload, the blobs it uses and the caller's shared views it was given.
+    """
+
+    __slots__ = ("call", "digests", "fn_name", "future", "payload", "since", "slots")
+
+    def __init__(self, future: Future[Any], call: tuple[Any, Any, Any], since: int) -> None:
+        self.future = future
+        self.call: tuple[Any, Any, Any] | None = call  # (fn, args, kwargs)
+        self.since = since  # the executor's clock at submit, e.g. 16
+        name = getattr(call[0], "__name__", None)
+        # e.g. "total": in the task's key, for Dask's dashboard
+        self.fn_name = name if isinstance(name, str) and name.isidentifier() else "call"
+        self.payload = b""  # e.g. b"\x80\x05…": fn, args and kwargs, blobs left out
+        self.digests: list[bytes] = []  # the blobs it uses, in the payload's order
+        self.slots: list[np.ndarray] = []  # the caller's shared views it was given
+
+    def arguments(self) -> list[Any]:
+        """The arrays given as arguments themselves (not inside a container)."""
+        assert self.call is not None
+        _, args, kwargs = self.call
+        return [a for a in (*args, *kwargs.values()) if isinstance(a, np.ndarray)]
+
+
+class ClusterExecutor(Executor):
+    """A :class:`concurrent.futures.Executor` whose tasks run on a Dask cluster.
+
+    The cluster counterpart of :class:`SharedProcessPoolExecutor` (see :doc:`/scaling-out`):
+    the same program, with the same results, when it outgrows one machine. Dask
+    distributed schedules the tasks and moves the data. Unlike
+    ``distributed.Client.get_executor()``, it behaves as the standard library's executors:
+
+    * every call runs (never deduplicated as "pure"), and keyword arguments reach the
+      function whatever their names;
+    * ``map`` honours ``timeout`` and ``chunksize``; ``shutdown(wait, cancel_futures)``,
+      ``cancel()`` and ``running()`` as the standard library's (a call is running once it
+      is dispatched, given to Dask: at most two per worker thread are; the others wait
+      here, as in the standard library's queue, and can be cancelled);
+    * a task's exception is raised with its remote traceback as ``__cause__``.
+
+    A call's arguments are read when it is dispatched (as the standard library pickles
+    them when a call leaves its queue). Large arrays and out-of-band buffers (of at least
+    ``min_share_bytes``) are sent to the cluster once and passed by reference; the same
+    unchanged array submitted again is not sent again (its bytes are recognized by their
+    SHA-256, so a changed one is never served a stale copy; an array given as an
+    argument of calls submitted before its bytes were last hashed is not hashed again).
+    Each task sees an array as it was when the call was dispatched, and its writes stay
+    its own. On each host, Dask's workers share one copy of a sent array, in sharexec
+    shared memory.
+
+    Shared arrays (:func:`sharexec.zeros`, :func:`sharexec.share` and their views) are
+    copy-in, copy-out: the task gets the view's values at dispatch, and the elements it
+    changed are written back into the caller's array before its future completes (also
+    when it raises). Unlike on one machine, a task sees a snapshot, not live memory, and
+    of two tasks changing the same element, the one finishing last wins.
+
+    Parameters
+    ----------
+    client : distributed.Client or str, optional
+        The cluster: a client, or a scheduler's address (a client is made and closed with
+        the executor). By default, a ``distributed.LocalCluster`` of processes is started,
+        and closed at shutdown.
+    min_share_bytes : int, optional
+        Buffers at least this large are sent once, by reference; smaller ones travel in
+        the task. Default: the sharexec option (256 KiB, ``SHAREXEC_MIN_SHARE_BYTES``).
+    **cluster_options
+        Passed to ``distributed.LocalCluster`` when the executor starts one (e.g.
+        ``n_workers=4``); an error with a client or an address.
+
+    Examples
+    --------
+    >>> with ClusterExecutor("tcp://scheduler:8786") as ex:  # doctest: +SKIP
+    ...     sums = list(ex.map(np.sum, np.array_split(a, 64)))
+    """
+
+    def __init__(
+        self,
+        client: distributed.Client | str | None = None,
+        *,
+        min_share_bytes: int | None = None,
+        **cluster_options: Any,
+    ) -> None:
+        import distributed as dist  # the optional extra: pip install sharexec[dask]
+
+        distributed: Any = dist  # its API is untyped
+
+        given = {} if min_share_bytes is None else {"min_share_bytes": min_share_bytes}
+        self._min_share_bytes = Options.resolve(given).min_share_bytes
+        if cluster_options and client is not None:
+            raise TypeError(
+                "cluster options are for the local cluster ClusterExecutor starts, not for "
+                f"a given client or address: {', '.join(sorted(cluster_options))}"
+            )
+        _register_sizeof()
+        # Blobs go straight to a worker, and results come straight from one, unless the
+        # client says not to: through the scheduler, it would hold their bytes as well.
+        self._direct = getattr(client, "direct_to_workers", None) is not False
+        # Typed Any: distributed's API is untyped. The client, e.g. <Client: 'tcp://…'>.
+        self._cluster: Any = None
+        self._client: Any
+        if isinstance(client, distributed.Client):
+            self._client, self._owns_client = client, False
+        elif client is None:
+            options = {"processes": True, **cluster_options}
+            self._cluster = distributed.LocalCluster(**options)
+            self._client = distributed.Client(self._cluster, direct_to_workers=True)
+            self._owns_client = True
+        elif isinstance(client, str):
+            self._client = distributed.Client(client, direct_to_workers=True)
+            self._owns_client = True
+        else:
+            raise TypeError(f"client must be a distributed.Client or an address, not {client!r}")
+        self._lock = threading.RLock()
+        # Notified when a call is queued, given to Dask or done, and at shutdown.
+        self._changed = threading.Condition(self._lock)
+        # The mark of this executor's keys on the cluster, e.g. "sharexec-3f9a…": its
+        # blobs are "sharexec-3f9a…-blob-0", …, its calls "total-sharexec-3f9a…-7".
+        self._token = f"sharexec-{os.urandom(8).hex()}"
+        self._keys = itertools.count()
+        self._clock = itertools.count()  # orders submits and reads of bytes
+        self._sent: dict[bytes, _Sent] = {}  # blobs on the cluster by digest
+        self._bytes_sent = 0  # the bytes of every blob sent, e.g. 200_000_000
+        # When the bytes of each argument array were last hashed, by id of the array,
+        # e.g. {140213: <_Read of 17>}.
+        self._read: dict[int, _Read] = {}
+        self._queue: deque[_Call] = deque()  # calls not yet dispatched
+        self._running: dict[Future[Any], _Call] = {}  # dispatched and not yet done
+        self._in_dask = 0  # of those, given to Dask and not yet finished there
+        self._shut_down = False
+        self._close_when_idle = False
+        self._dispatcher: threading.Thread | None = None  # see _dispatch
+        # Fetches results and writes changes back, in the order the calls finish, so that
+        # neither Dask's one callback thread nor the dispatcher waits for that.
+        self._results = ThreadPoolExecutor(1, thread_name_prefix="sharexec-cluster-results")
+        self._closer: threading.Thread | None = None  # see _start_closing
+        self._threads = -2.0, 1  # (when counted, worker threads): refreshed each second
+
+    @property
+    def client(self) -> distributed.Client:
+        """The ``distributed.Client`` the tasks go through."""
+        client: distributed.Client = self._client
+        return client
+
+    # -- submit ---------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Schedule ``fn(*args, **kwargs)`` on the cluster; see
+        :meth:`concurrent.futures.Executor.submit`."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._shut_down:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queue.append(_Call(future, (fn, args, kwargs), next(self._clock)))
+            if self._dispatcher is None:
+                self._dispatcher = threading.Thread(
+                    target=self._dispatch, name="sharexec-cluster-dispatch", daemon=True
+                )
+                self._dispatcher.start()
+            self._changed.notify_all()
+        return future
+
+    # -- dispatch: in the dispatcher thread -----------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Give Dask the calls queued, while fewer than the capacity are running there."""
+        while True:
+            with self._lock:
+                self._changed.wait_for(
+                    lambda: (
+                        (self._queue and self._in_dask < self._capacity())
+                        or (self._shut_down and not self._queue)
+                    )
+                )
+                if not self._queue:
+                    return
+                call = self._queue.popleft()
+                if not call.future.set_running_or_notify_cancel():  # cancelled meanwhile
+                    continue
+                self._running[call.future] = call
+                self._in_dask += 1
+            try:
+                self._pack(call)
+                with self._lock:
+                    blobs = [self._sent[d].future for d in call.digests]
+                remote = self._client.submit(
+                    _run,
+                    call.payload,
+                    blobs,
+                    key=f"{call.fn_name}-{self._token}-{next(self._keys)}",
+                    pure=False,
+                )
+            except BaseException as exc:  # unpicklable arguments, a closed client…
+                call.future.set_exception(exc)
+                self._finished(call, None)
+                continue
+            remote.add_done_callback(partial(self._done, call))
+
+    def _capacity(self) -> int:
+        counted, threads = self._threads
+        now = time.monotonic()
+        if now - counted > 1.0:
+            threads = max(1, sum(self._client.nthreads().values()))
+            self._threads = now, threads
+        return _PER_THREAD * threads
+
+    def _pack(self, call: _Call) -> None:
+        out = io.BytesIO()
+        packer = _Packer(out, self._min_share_bytes)
+        try:
+            packer.dump(call.call)
+            buffers, call.slots = packer.buffers, packer.slots
+        finally:
+            packer.clear_memo()  # it holds the arguments
+            packer.buffers, packer.slots, packer.snapshots = [], [], {}
+        arguments = call.arguments()
+        call.call = None  # the arguments are read: let go of them
+        call.payload = out.getvalue()
+        call.digests = [self._send(data, call, arguments) for data in buffers]
+
+    def _send(self, data: memoryview, call: _Call, arguments: list[Any]) -> bytes:
+        """The digest of ``data``'s bytes, now on the cluster (sent unless they were)."""
+        source = data.obj
+        address = _address(data)
+        with self._lock:
+            read = self._read.get(id(source))
+            if (  # bytes hashed after the call was submitted, of an argument it was given
+                read is not None
+                and read.source() is source
+                and (read.address, read.nbytes) == (address, data.nbytes)
+                and read.at > call.since
+                and read.digest in self._sent
+                and any(source is a for a in arguments)
+            ):
+                self._sent[read.digest].calls += 1
+                return read.digest
+            at = next(self._clock)
+        digest = _digest(data)
+        with self._lock:
+            sent = self._sent.get(digest)
+            if sent is None:
+                key = f"{self._token}-blob-{next(self._keys)}"
+                blob = _HostBytes(digest, data.nbytes, data)
+                future = self._client.scatter({key: blob}, hash=False, direct=self._direct)[key]
+                sent = self._sent[digest] = _Sent(future)
+                self._bytes_sent += data.nbytes
+            sent.calls += 1
+            for other, held in list(self._sent.items()):  # an object changed since: not
+                if other != digest:  # kept for it any more
+                    held.sources = [r for r in held.sources if r() is not source]
+                    self._maybe_release(other, held)
+            with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
+                if not any(ref() is source for ref in sent.sources):
+                    sent.sources.append(weakref.ref(source, partial(self._source_gone, digest)))
+                if any(source is a for a in arguments):
+                    ref = weakref.ref(source, partial(self._read_gone, id(source)))
+                    self._read[id(source)] = read = _Read(ref, address, data.nbytes, at)
+                    read.digest = digest
+        return digest
+
+    def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
+        with self._lock:
+            sent = self._sent.get(digest)
+            if sent is not None:
+                sent.sources = [r for r in sent.sources if r is not ref]
+                self._maybe_release(digest, sent)
+
+    def _read_gone(self, key: int, ref: weakref.ref[Any]) -> None:
+        with self._lock:
+            read = self._read.get(key)
+            if read is not None and read.source is ref:
+                del self._read[key]
+
+    def _maybe_release(self, digest: bytes, sent: _Sent) -> None:
+        # Under self._lock. Kept while a call holds it or an object it came from lives.
+        if sent.calls == 0 and (self._shut_down or all(r() is None for r in sent.sources)):
+            del self._sent[digest]
+            sent.future.release()
+
+    # -- results: in a Dask callback thread, then in the results thread -------------------
+
+    def _done(self, call: _Call, remote: Any) -> None:
+        """A call finished on the cluster: the next may go while its result comes back."""
+        with self._lock:
+            self._in_dask -= 1
+            self._changed.notify_all()
+        self._results.submit(self._collect, call, remote)
+
+    def _collect(self, call: _Call, remote: Any) -> None:
+        """In the results thread: deliver a call's outcome, then free what it held."""
+        try:
+            self._deliver(call, remote)
+        finally:
+            remote.release()  # (done already, unless delivering failed)
+            self._finished(call, remote)
+
+    def _finished(self, call: _Call, remote: Any) -> None:
+        with self._lock:
+            if remote is None:  # it never reached Dask
+                self._in_dask -= 1
+            self._running.pop(call.future, None)
+            for digest in call.digests:
+                sent = self._sent.get(digest)
+                if sent is not None:
+                    sent.calls -= 1
+                    self._maybe_release(digest, sent)
+            call.digests = []
+            self._changed.notify_all()
+            idle = self._close_when_idle and not self._running and not self._queue
+        if idle:  # shutdown(wait=False) was called
+            self._start_closing()
+
+    def _deliver(self, call: _Call, remote: Any) -> None:
+        future = call.future
+        try:
+            if remote.status == "finished":
+                outcome = self._client.gather(remote, direct=self._direct)  # as blobs go
+                remote.release()  # the result leaves the cluster before the future is done
+            else:  # our wrapper failed (unpickling the call), or the cluster did
+                error = remote.exception()
+                tb = "".join(traceback.format_tb(remote.traceback()))
+                if tb:
+                    error.__cause__ = RemoteTraceback(tb)
+                future.set_exception(error)
+                return
+        except BaseException as exc:  # cancelled by the cluster, the client closed…
+            future.set_exception(exc)
+            return
+        try:
+            for index, change in outcome[-1]:
+                _write_back(call.slots[index], change)
+        except BaseException as exc:  # (a view made read-only meanwhile, say)
+            future.set_exception(exc)
+            return
+        finally:
+            call.slots = []
+        if outcome[0] == "ok":
+            future.set_result(outcome[1])
+        else:
+            raised, tb = outcome[1], outcome[2]
+            raised.__cause__ = RemoteTraceback(tb)
+            future.set_exception(raised)
+
+    # -- map and shutdown -----------------------------------------------------------------
+
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]:
+        """Return an iterator equivalent to ``map(fn, *iterables)``, the calls made on the
+        cluster; see :meth:`concurrent.futures.Executor.map`.
+
+        ``chunksize`` calls go to the cluster as one task; ``timeout`` (seconds, from the
+        call to ``map``) bounds the wait for each result, as the standard library's.
+        """
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        if chunksize == 1:
+            return super().map(fn, *iterables, timeout=timeout)
+        chunks = super().map(
+            partial(_run_chunk, fn),
+            _batched(zip(*iterables, strict=False), chunksize),
+            timeout=timeout,
+        )
+        return (result for chunk in chunks for result in chunk)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Free the executor's resources once the calls submitted are done; see
+        :meth:`concurrent.futures.Executor.shutdown`.
+
+        With ``wait``, returns once every call is done and the cluster holds nothing of
+        this executor's (no task, no blob); a local cluster the executor started is
+        closed. Without, that happens when the last call is done.
+        """
+        with self._lock:
+            self._shut_down = True
+            if cancel_futures:
+                while self._queue:
+                    self._queue.popleft().future.cancel()
+            self._changed.notify_all()
+            if wait:
+                self._changed.wait_for(lambda: not self._running and not self._queue)
+            else:
+                self._close_when_idle = True
+            idle = not self._running and not self._queue
+        if idle:
+            closer = self._start_closing()
+            if wait:
+                closer.join()
+
+    def _start_closing(self) -> threading.Thread:
+        """The thread that frees what the executor holds on the cluster, started once (not
+        in a Dask callback thread, which the closing waits on)."""
+        with self._lock:
+            if self._closer is None:
+                self._closer = threading.Thread(
+                    target=self._release_all, name="sharexec-cluster-close"
+                )
+                self._closer.start()
+            return self._closer
+
+    def _release_all(self) -> None:
+        dispatcher = self._dispatcher
+        if dispatcher is not None:
+            dispatcher.join()
+        self._results.shutdown(wait=True)
+        with self._lock:
+            sent, self._sent = list(self._sent.values()), {}
+            self._read = {}
+        for s in sent:
+            s.future.release()
+        if self._client.status == "running":
+            self._await_forgotten()
+        if self._owns_client:
+            self._client.close()
+        if self._cluster is not None:
+            self._cluster.close()
+
+    def _await_forgotten(self) -> None:
+        """Until neither the scheduler nor a worker holds a key of this executor's."""
+        deadline = time.monotonic() + _FORGET_TIMEOUT
+        while time.monotonic() < deadline:
+            held = self._client.run_on_scheduler(_scheduler_holds, self._token)
+            held += sum(self._client.run(_worker_holds, self._token).values())
+            if not held:
+                return
+            time.sleep(0.02)  # the workers forget a moment after the scheduler tells them
+
+
+def _scheduler_holds(token: str, dask_scheduler: Any = None) -> int:
+    """On the scheduler: how many tasks of the executor marked ``token`` it knows."""
+    return sum(token in str(key) for key in dask_scheduler.tasks)
+
+
+def _worker_holds(token: str, dask_worker: Any = None) -> int:
+    """In a worker: how many keys of the executor marked ``token`` it holds or runs."""
+    return sum(token in str(key) for key in dask_worker.state.tasks)
+
+
+def _write_back(view: np.ndarray, change: Any) -> None:
+    """Write a task's changes into the caller's shared view."""
+    mask, values = change
+    if mask is None:
+        view[...] = values
+    else:
+        view[np.unpackbits(mask, count=view.size).view(bool).reshape(view.shape)] = values
+
+
+def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
+    while chunk := list(islice(items, n)):
+        yield chunk
+
+
+# ---------------------------------------------------------------------------------------
+# Choosing the cluster for get_executor
+# ---------------------------------------------------------------------------------------
+
+# The executors chosen by use_cluster blocks open now, innermost last (process-wide).
+_chosen: list[ClusterExecutor] = []
+_chosen_lock = threading.Lock()
+
+
+def chosen() -> ClusterExecutor | None:
+    """The executor of the innermost :func:`use_cluster` block open, if any."""
+    with _chosen_lock:
+        return _chosen[-1] if _chosen else None
+
+
+@contextlib.contextmanager
+def use_cluster(
+    cluster: ClusterExecutor | distributed.Client | str | None = None, **options: Any
+) -> Iterator[ClusterExecutor]:
+    """Within the block, :func:`sharexec.get_executor` returns a cluster executor.
+
+    For library code that calls :func:`sharexec.get_executor`: the user runs it on a Dask
+    cluster without changing it, as with joblib's ``parallel_config``. The choice is
+    process-wide (calls from any thread see it) and blocks nest.
+
+    Parameters
+    ----------
+    cluster : ClusterExecutor, distributed.Client or str, optional
+        An executor to use as it is (left running at the end of the block), or what to
+        make one over (a client or a scheduler's address; by default a local cluster),
+        shut down at the end of the block.
+    **options
+        For the executor made: see :class:`ClusterExecutor`.
+
+    Yields
+    ------
+    ClusterExecutor
+        The executor :func:`sharexec.get_executor` returns within the block.
+    """
+    made = not isinstance(cluster, ClusterExecutor)
+    executor = (
+        cluster if isinstance(cluster, ClusterExecutor) else ClusterExecutor(cluster, **options)
+    )
+    with _chosen_lock:
+        _chosen.append(executor)
+    try:
+        yield executor
+    finally:
+        with _chosen_lock:
+            _chosen.remove(executor)
+        if made:
+            executor.shutdown()
