@@ -34,6 +34,10 @@ WARM_IDLE_SECONDS = 10.0
 KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look up per call
 
 
+# The roads of private torch tensors (Options.tensor_sharing), the default first.
+TENSOR_SHARING = ("sharexec", "torch")
+
+
 @dataclass(frozen=True)
 class Options:
     """The sharexec options of one executor.
@@ -47,10 +51,17 @@ class Options:
         Where file-backed segments go when shared memory is full or missing (a private
         subfolder is made in it); default: the system's temporary folder.
         Environment variable: ``SHAREXEC_TEMP_FOLDER``.
+    tensor_sharing
+        How private PyTorch CPU tensors are shared with the tasks they are sent to:
+        ``"sharexec"`` (the default) moves them into sharexec segments, ``"torch"``
+        leaves them to torch's own reducers (torch's shared memory, a file descriptor
+        per storage), as the standard library's executor does. Either way the sender's
+        tensor ends up shared. Environment variable: ``SHAREXEC_TENSOR_SHARING``.
     """
 
     min_share_bytes: int = DEFAULT_MIN_SHARE_BYTES
     temp_folder: str | None = None
+    tensor_sharing: str = "sharexec"
 
     @classmethod
     def resolve(
@@ -91,4 +102,8 @@ def _parse(name: str, value: Any, where: str) -> Any:
         if not os.path.isdir(folder):
             raise ConfigError(f"{where} must be an existing folder, got {value!r}")
         return os.path.abspath(folder)
+    if name == "tensor_sharing":
+        if value not in TENSOR_SHARING:
+            raise ConfigError(f"{where} must be one of {', '.join(TENSOR_SHARING)}, got {value!r}")
+        return value
     raise AssertionError(name)  # pragma: no cover - every field has a parser

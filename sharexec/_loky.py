@@ -547,19 +547,25 @@ class _ForkingReducers(MutableMapping[Any, Any]):
     """
 
     def __getitem__(self, kind: Any) -> Any:
-        return mp_reduction.ForkingPickler._extra_reducers[kind]
+        return _registrations()[kind]
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(dict(mp_reduction.ForkingPickler._extra_reducers))
+        return iter(dict(_registrations()))
 
     def __len__(self) -> int:
-        return len(mp_reduction.ForkingPickler._extra_reducers)
+        return len(_registrations())
 
     def __setitem__(self, kind: Any, reduce: Any) -> None:
         raise TypeError("register with multiprocessing.reduction.ForkingPickler.register")
 
     def __delitem__(self, kind: Any) -> None:
         raise TypeError("ForkingPickler's registrations are multiprocessing's")
+
+
+def _registrations() -> dict[Any, Any]:
+    """ForkingPickler's table of registrations, as it is now."""
+    table: dict[Any, Any] = mp_reduction.ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    return table
 
 
 # What the standard library's pickler (multiprocessing's ForkingPickler) adds to copyreg's
