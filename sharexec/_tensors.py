@@ -11,8 +11,8 @@ a CPU tensor sent to a task is *shared*, the sender's and the receiver's writes 
 both, as through ``torch.multiprocessing``. What this module owns:
 
 * which tensors sharexec carries itself (:func:`plain`): exact ``torch.Tensor`` and
-  ``torch.nn.Parameter`` on the CPU, strided, with no conjugate or negative bit, and not
-  a non-leaf that requires grad. Any other (CUDA, sparse, quantized, nested, subclasses,
+  ``torch.nn.Parameter`` on the CPU, strided, with no negative bit, and not a non-leaf
+  that requires grad. Any other (CUDA, sparse, quantized, nested, subclasses,
   storages of torch's own shared memory) goes to torch's reducer, registered with
   multiprocessing's ``ForkingPickler``, exactly as through the standard library;
 * a tensor is reduced to its untyped storage and its geometry (:func:`reduce_tensor`),
@@ -88,27 +88,38 @@ _ZERO_CHUNK = 4 << 20  # chunks of a move that are all zeros are not copied
 
 
 def plain(t: torch.Tensor) -> bool:
-    """Whether sharexec carries ``t`` itself: a CPU strided tensor whose values are its
-    storage's bytes as they are (no conjugate or negative bit, not quantized or nested),
-    not a non-leaf that requires grad (torch refuses those: its reducer says why)."""
+    """Whether sharexec carries ``t`` itself: a CPU strided tensor over its storage's
+    bytes (not quantized or nested, no negative bit, a conjugate bit only on a plain
+    tensor), not a non-leaf that requires grad (torch refuses those: its reducer says
+    why)."""
     return (
         t.device.type == "cpu"
         and t.layout == torch.strided
         and not t.is_quantized
         and not t.is_nested
-        and not t.is_conj()
         and not t.is_neg()
+        and not (t.is_conj() and type(t) is not torch.Tensor)
         and not (t.requires_grad and not t.is_leaf)
     )
 
 
 def reduce_tensor(t: torch.Tensor) -> Any:
     """``t`` as its untyped storage (which the pickler reduces next, once per pass) and
-    its geometry; None if torch's reducer must take it (see :func:`plain`)."""
+    its geometry; None if torch's reducer must take it (see :func:`plain`).
+
+    A conjugate view keeps its bit (torch's own reducer drops it: the receiver would see
+    the values unconjugated).
+    """
     if not plain(t):
         return None
     geometry = (t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
-    return rebuild_tensor, (type(t), t.untyped_storage(), *geometry, t.requires_grad)
+    return rebuild_tensor, (
+        type(t),
+        t.untyped_storage(),
+        *geometry,
+        t.requires_grad,
+        t.is_conj(),
+    )
 
 
 def rebuild_tensor(
@@ -119,9 +130,12 @@ def rebuild_tensor(
     size: tuple[int, ...],
     stride: tuple[int, ...],
     requires_grad: bool,
+    conj: bool = False,
 ) -> torch.Tensor:
     """A tensor of class ``cls`` over ``storage`` (zero-copy), as torch's rebuild makes it."""
     t = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+    if conj:
+        t = t.conj()  # the same memory, read conjugated, as the sender's view did
     if cls is torch.nn.Parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     t.requires_grad_(requires_grad)
@@ -259,8 +273,8 @@ def share(t: torch.Tensor, spill_to: str | None = None) -> torch.Tensor:
     itself, already shared or empty, is left as it is."""
     if not plain(t):
         raise TypeError(
-            "sharexec.share takes CPU tensors with a strided layout, not conjugate, "
-            f"negative or quantized views: got a {t.layout} tensor on {t.device}"
+            "sharexec.share takes CPU tensors with a strided layout, not negative or "
+            f"quantized views: got a {t.layout} tensor on {t.device}"
         )
     if not CAN_MOVE:
         raise TypeError(f"torch {torch.__version__} cannot move a storage in place (2.3+ can)")
