@@ -120,6 +120,18 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/run.py", *session.posargs)
 
 
+@nox.session(name="bench-torch", default=False)
+def bench_torch(session: nox.Session) -> None:
+    """Run the tensor benchmark (``bench/torch_bench.py``): sharexec against the standard
+    library's executor and ``torch.multiprocessing.Pool``; not a default session.
+
+    Installs torch 2.13.0, the version CI tests (on these machines a CPU build on local
+    disk, for Python 3.11); e.g. ``nox -s bench-torch -- --reps 9``.
+    """
+    session.install(".", "torch==2.13.0")
+    session.run("python", "bench/torch_bench.py", *session.posargs)
+
+
 @nox.session(python="3.11", default=False)
 def compat(session: nox.Session) -> None:
     """Run CPython 3.11's own ProcessPoolExecutor tests against SharedProcessPoolExecutor.

@@ -208,7 +208,7 @@ class Pass:
             if not tensors.CAN_MOVE:
                 return None
             try:
-                found = tensors.move(storage, self.sink.spill_to)
+                found = tensors.move(storage, self.sink.spill_to, self.sink.copy)
             except SegmentError as exc:
                 self.sink.fell_back(f"{exc}; tensors of this size go through torch's reducer")
                 return None

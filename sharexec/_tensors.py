@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,8 +73,8 @@ __all__ = [
 TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 STORAGE = torch.UntypedStorage
 
-# Whether this torch can swap a storage's memory in place (torch >= 2.3): if not, private
-# tensors go through torch's own reducer.
+# Whether this torch can swap a storage's memory in place (a private method, which torch
+# 2.13 has): if not, private tensors go through torch's own reducer.
 CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 ARENA_MAX = 256 << 10  # storages up to this size share arena segments when moved
@@ -206,10 +207,15 @@ _arena = _Arena()
 os.register_at_fork(after_in_child=_arena.reset)
 
 
-def move(storage: torch.UntypedStorage, spill_to: str | None = None) -> tuple[Mapping, int]:
+def move(
+    storage: torch.UntypedStorage,
+    spill_to: str | None = None,
+    copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
+) -> tuple[Mapping, int]:
     """Move a private CPU storage into a new place in shared memory, in place: every
     tensor over it, here, now uses the segment. Returns the mapping and the offset.
 
+    ``copy(target, source)`` copies bytes (the forward sink's copies on several cores).
     Raises :class:`~sharexec.SegmentError` if no segment can be had (shared memory and
     ``spill_to`` both full): the storage is left as it was.
     """
@@ -220,24 +226,30 @@ def move(storage: torch.UntypedStorage, spill_to: str | None = None) -> tuple[Ma
         mapping, offset = _tracking.new_shared(nbytes, spill_to), 0
     target = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
     source = torch.empty(0, dtype=torch.uint8).set_(storage)
-    _copy_nonzero(target, source)
+    _copy_nonzero(target.numpy(), source.numpy(), copy)
     # From now on the storage's memory is the segment's, and `target` holds the old
     # private memory, freed when it goes at the end of this call.
     storage._swap_data_ptr_(target.untyped_storage())
     return mapping, offset
 
 
-def _copy_nonzero(target: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy ``source`` into ``target`` (fresh shared memory, which reads as zeros), but
-    for the chunks of ``source`` that are all zeros.
+def _copy_nonzero(
+    target: np.ndarray, source: np.ndarray, copy: Callable[[np.ndarray, np.ndarray], None]
+) -> None:
+    """Copy the bytes ``source`` into ``target`` (fresh shared memory, which reads as
+    zeros), but for the chunks of ``source`` that are all zeros.
 
     Writing fresh shared pages is what a move costs (a page fault each); reading costs
     far less. A chunk whose first eight bytes are not all zero is not scanned further,
-    so ordinary data pays nothing; the runs of chunks to copy are copied in one call
-    each (torch's copy, on several threads: 128 MiB in 4 MiB calls took 4x as long).
+    so ordinary data pays nothing; each run of chunks to copy is copied in one call.
+
+    NumPy's copy, never torch's: torch copies large tensors on its OpenMP threads, and a
+    process forked after GNU OpenMP ran a parallel region deadlocks in its own first one
+    (a worker started with ``fork``). The standard library's road (torch's reducer)
+    copies with a plain memcpy; so does this.
     """
-    n = source.numel()
-    words = source[: n - n % 8].numpy().view(np.uint64)
+    n = len(source)
+    words = source[: n - n % 8].view(np.uint64)
     runs: list[tuple[int, int]] = []  # [low, high) to copy, e.g. [(0, 4194304)]
     start: int | None = None
     for low in range(0, n, _ZERO_CHUNK):
@@ -252,7 +264,7 @@ def _copy_nonzero(target: torch.Tensor, source: torch.Tensor) -> None:
     if start is not None:
         runs.append((start, n))
     for low, high in runs:
-        target[low:high].copy_(source[low:high])
+        copy(target[low:high], source[low:high])
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,7 +289,7 @@ def share(t: torch.Tensor, spill_to: str | None = None) -> torch.Tensor:
             f"quantized views: got a {t.layout} tensor on {t.device}"
         )
     if not CAN_MOVE:
-        raise TypeError(f"torch {torch.__version__} cannot move a storage in place (2.3+ can)")
+        raise TypeError(f"torch {torch.__version__} cannot move a storage in place")
     storage = t.untyped_storage()
     if storage.nbytes() and in_segment(storage) is None and not t.is_shared():
         move(storage, spill_to)

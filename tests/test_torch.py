@@ -29,6 +29,14 @@ from sharexec import _tensors  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
+# A process forked after torch ran a parallel region on its OpenMP threads (torch.zeros of
+# a large tensor does) deadlocks in its own first one: GNU OpenMP is not fork-safe. That is
+# torch's caveat with the fork start method, the standard library's executor included (the
+# user's risk, DESIGN.md D6). This test process runs torch on one thread so that every
+# start method can be tested; test_moving_a_tensor_leaves_a_later_fork_safe checks, with
+# torch's default threads, that sharexec itself adds no OpenMP region to the parent.
+torch.set_num_threads(1)
+
 LARGE = 1 << 20  # float32 elements: 4 MiB, above the 256 KiB threshold and the arena's
 SMALL = 16
 
@@ -338,6 +346,39 @@ def test_no_segment_left_after_a_worker_is_killed(start_method, tmp_path):
     out = finish(proc)
     assert "broken True" in out and "moved True" in out
     assert_none_left(left_by(proc))
+
+
+def test_moving_a_tensor_leaves_a_later_fork_safe(tmp_path):
+    """sharexec copies with NumPy, never on torch's OpenMP threads: a process that only
+    moved tensors (never ran a parallel torch op itself) forks workers that can."""
+    script = tmp_path / "fork_after_move.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            import sharexec
+
+            def add_one(t):
+                t += 1  # a parallel region, on the worker's OpenMP threads
+                return float(t[-1])
+
+            if __name__ == "__main__":
+                t = torch.empty(1 << 22)
+                t.numpy()[:] = 1  # no torch op on threads in this process
+                sharexec.share(t)  # moved, in the main thread
+                small = torch.empty(16)
+                with sharexec.SharedProcessPoolExecutor(1, mp_context="spawn") as ex:
+                    ex.submit(add_one, small).result(timeout=60)  # moved by the feeder
+                with sharexec.SharedProcessPoolExecutor(1, mp_context="fork") as ex:
+                    print(ex.submit(add_one, t).result(timeout=60))
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=150
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2.0"]
 
 
 def test_import_sharexec_does_not_import_torch():
