@@ -283,10 +283,15 @@ def is_shared(t: torch.Tensor) -> bool:
 def share(t: torch.Tensor, spill_to: str | None = None) -> torch.Tensor:
     """Move ``t``'s storage into a sharexec segment, in place (see :func:`move`); ``t``
     itself, already shared or empty, is left as it is."""
+    if t.requires_grad and not t.is_leaf:
+        raise TypeError(
+            "sharexec.share takes no non-leaf tensor that requires grad (autograd does not "
+            "cross processes, and torch refuses to send one): share t.detach() instead"
+        )
     if not plain(t):
         raise TypeError(
-            "sharexec.share takes CPU tensors with a strided layout, not negative or "
-            f"quantized views: got a {t.layout} tensor on {t.device}"
+            "sharexec.share takes CPU tensors with a strided layout, not negative, "
+            f"quantized or nested views: got a {t.layout} tensor on {t.device}"
         )
     if not CAN_MOVE:
         raise TypeError(f"torch {torch.__version__} cannot move a storage in place")

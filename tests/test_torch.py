@@ -320,6 +320,7 @@ def test_no_segment_left_after_a_worker_is_killed(start_method, tmp_path):
         tmp_path,
         """
         import torch
+        torch.set_num_threads(1)  # fork after torch's OpenMP threads: see the top of the file
         sys.path.insert(0, os.environ["TESTS"])
         import torch_workers
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import itertools
 import os
 import time
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -196,3 +198,20 @@ def shared_mapped() -> list[str]:
     from sharexec import _tracking
 
     return sorted(_tracking._registry.by_name)
+
+
+class Marked:
+    """An object whose reducers leave a trail: registered with copyreg and with
+    multiprocessing's ForkingPickler (at import, in every process that imports this
+    module, as torch registers its own), so each pickling says which reducer ran."""
+
+    def __init__(self, trail: list[str]) -> None:
+        self.trail = trail
+
+
+def _rebuild_marked(trail: list[str]) -> Marked:
+    return Marked(trail)
+
+
+copyreg.pickle(Marked, lambda m: (_rebuild_marked, ([*m.trail, "copyreg"],)))
+ForkingPickler.register(Marked, lambda m: (_rebuild_marked, ([*m.trail, "ForkingPickler"],)))
