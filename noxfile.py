@@ -128,7 +128,7 @@ def bench_torch(session: nox.Session) -> None:
     Installs torch 2.13.0, the version CI tests (on these machines a CPU build on local
     disk, for Python 3.11); e.g. ``nox -s bench-torch -- --reps 9``.
     """
-    session.install(".", "torch==2.13.0")
+    session.install(".[bench]", "torch==2.13.0")
     session.run("python", "bench/torch_bench.py", *session.posargs)
 
 

@@ -9,7 +9,9 @@ same reducers) and ``sharexec``; with ``--torch-road`` also ``sharexec/torch``
 (``SharedProcessPoolExecutor(tensor_sharing="torch")``: private tensors through torch's
 reducers too). Each pool is started and warmed up (torch imported in every worker) before
 anything is timed; each workload is timed ``--reps`` times (default 5) on fresh inputs, made
-outside the timing, and the table shows the medians and their ratio to the stdlib's.
+outside the timing (round robin: each repetition runs every system once), and the tables
+show the medians of wall time and of CPU time (this process and all its descendants,
+with psutil), and their ratio to the stdlib's.
 
 Workloads (sizes in MiB, times ``--scale``):
 
@@ -185,16 +187,35 @@ WORKLOADS: dict[str, tuple[str, Callable[..., Any]]] = {
 }
 
 
-def measure_once(pool: Pool, workload: str, scale: float) -> float:
+def cpu_meter() -> Callable[[], float]:
+    """CPU seconds (user + system) of this process and all its descendants so far, from
+    bench/measure.py (psutil; the ``bench`` extra); a meter that reads nothing without it.
+
+    Less swayed than wall time by other programs on a loaded machine: what a system
+    costs, not when the scheduler let it run.
+    """
+    try:
+        import measure
+    except ImportError:
+        return lambda: float("nan")
+    return lambda: sum(measure.cpu_snapshot().values())
+
+
+def measure_once(
+    pool: Pool, workload: str, scale: float, cpu: Callable[[], float]
+) -> tuple[float, float]:
+    """Wall and CPU seconds of one run of ``workload`` on ``pool``."""
     run, check = WORKLOADS[workload][1](pool, scale)  # fresh inputs, untimed
     gc.collect()
+    cpu_before = cpu()
     start = time.perf_counter()
     out = run()
     elapsed = time.perf_counter() - start
+    spent = cpu() - cpu_before
     check(out)
     del run, check, out
     gc.collect()
-    return elapsed
+    return elapsed, spent
 
 
 def main() -> None:
@@ -217,6 +238,8 @@ def main() -> None:
     log(f"torch {torch.__version__}, sharexec {sharexec.__version__}, {args.start_method}")
     log(f"before: {load()}")
     results: dict[str, dict[str, list[float]]] = {w: {} for w in workloads}
+    cpu_results: dict[str, dict[str, list[float]]] = {w: {} for w in workloads}
+    cpu = cpu_meter()
     pools = {system: Pool(system, args.start_method) for system in systems}
     try:
         for pool in pools.values():
@@ -229,41 +252,47 @@ def main() -> None:
                 for system, pool in pools.items():
                     if workload == "T3s" and not system.startswith("sharexec"):
                         continue
-                    elapsed = measure_once(pool, workload, args.scale)
+                    elapsed, spent = measure_once(pool, workload, args.scale, cpu)
                     results[workload].setdefault(system, []).append(elapsed)
-                    log(f"  [{rep + 1}/{args.reps}] {system:15} {workload}: {elapsed:.3f} s")
+                    cpu_results[workload].setdefault(system, []).append(spent)
+                    log(
+                        f"  [{rep + 1}/{args.reps}] {system:15} {workload}: {elapsed:.3f} s"
+                        f" wall, {spent:.3f} s CPU"
+                    )
     finally:
         for pool in pools.values():
             pool.close()
     after = load()
     log(f"after: {after}")
 
-    print(
-        f"\nMedians of {args.reps} (s; min-max), 2 workers, {args.start_method}, "
-        f"scale {args.scale:g}"
-    )
-    print(f"({after})\n")
-    print("| workload | " + " | ".join(systems) + " | sharexec / stdlib |")
-    print("|---|" + "---:|" * (len(systems) + 1))
-    for workload in workloads:
-        row = results[workload]
-        cells = [
-            f"{statistics.median(row[s]):.3f} ({min(row[s]):.2f}-{max(row[s]):.2f})"
-            if s in row
-            else "-"
-            for s in systems
-        ]
-        base = row.get("stdlib")
-        if workload == "T3s":  # against the stdlib's T3, the same program with torch.zeros
-            base = results.get("T3", {}).get("stdlib")
-        ratio = (
-            f"{statistics.median(row['sharexec']) / statistics.median(base):.2f}"
-            if base and "sharexec" in row
-            else "-"
-        )
-        print(f"| {workload}: {WORKLOADS[workload][0]} | " + " | ".join(cells) + f" | {ratio} |")
+    header = f"{args.reps} repetitions, 2 workers, {args.start_method}, scale {args.scale:g}"
+    print(f"\n{header} ({after})")
+    for title, table in (("Wall time", results), ("CPU time, all processes", cpu_results)):
+        print(f"\n{title}: medians in s (min-max)\n")
+        print("| workload | " + " | ".join(systems) + " | sharexec / stdlib |")
+        print("|---|" + "---:|" * (len(systems) + 1))
+        for workload in workloads:
+            row = table[workload]
+            cells = [
+                f"{statistics.median(row[s]):.3f} ({min(row[s]):.2f}-{max(row[s]):.2f})"
+                if s in row
+                else "-"
+                for s in systems
+            ]
+            base = row.get("stdlib")
+            if workload == "T3s":  # against the stdlib's T3, the same program with torch.zeros
+                base = table.get("T3", {}).get("stdlib")
+            ratio = (
+                f"{statistics.median(row['sharexec']) / statistics.median(base):.2f}"
+                if base and "sharexec" in row
+                else "-"
+            )
+            name = f"{workload}: {WORKLOADS[workload][0]}"
+            print(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
     if args.json:
-        args.json.write_text(json.dumps({"load": after, "times": results}, indent=1))
+        args.json.write_text(
+            json.dumps({"load": after, "wall": results, "cpu": cpu_results}, indent=1)
+        )
 
 
 if __name__ == "__main__":
