@@ -51,8 +51,8 @@ import torch
 from . import _tracking
 from ._segments import Mapping
 
+# What other sharexec modules use.
 __all__ = [
-    "ARENA_MAX",
     "CAN_MOVE",
     "STORAGE",
     "TENSORS",
@@ -60,10 +60,8 @@ __all__ = [
     "in_segment",
     "is_shared",
     "move",
-    "plain",
     "rebuild_shared_storage",
     "rebuild_storage",
-    "rebuild_tensor",
     "reduce_tensor",
     "share",
 ]
