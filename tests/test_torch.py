@@ -140,34 +140,34 @@ def test_private_tensors_nested_in_containers_and_kwargs(executor):
     assert float(kwargs["x"][-1]) == 1.0
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.float32,
-        torch.float64,
-        torch.bfloat16,
-        torch.float16,
-        torch.int8,
-        torch.bool,
-        torch.complex64,
-        torch.int64,
-    ],
-)
-def test_every_dtype_and_geometry_arrives_as_it_was(executor, dtype):
-    base = (torch.arange(4 * 6 * 5) % 7).to(dtype).reshape(4, 6, 5)
-    for t in (base, base.transpose(0, 2), base[1:, ::2, 3], base[2, 3, 4], base[:0]):
-        expected = t.clone()
-        name, kind, shape, stride, offset, grad, values, shared = executor.submit(
-            torch_workers.describe, t
-        ).result(timeout=60)
-        assert (name, kind, shape, stride, offset) == (
-            "Tensor",
-            dtype,
-            tuple(t.shape),
-            t.stride(),
-            t.storage_offset(),
-        )
-        assert torch.equal(values, expected) and not grad and shared
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.bool,
+    torch.complex64,
+    torch.int64,
+]
+
+
+def test_every_dtype_and_geometry_arrives_as_it_was(executor):
+    for dtype in DTYPES:  # one executor for all of them
+        base = (torch.arange(4 * 6 * 5) % 7).to(dtype).reshape(4, 6, 5)
+        for t in (base, base.transpose(0, 2), base[1:, ::2, 3], base[2, 3, 4], base[:0]):
+            expected = t.clone()
+            name, kind, shape, stride, offset, grad, values, shared = executor.submit(
+                torch_workers.describe, t
+            ).result(timeout=60)
+            assert (name, kind, shape, stride, offset) == (
+                "Tensor",
+                dtype,
+                tuple(t.shape),
+                t.stride(),
+                t.storage_offset(),
+            ), dtype
+            assert torch.equal(values, expected) and not grad and shared, dtype
 
 
 def test_a_parameter_stays_a_parameter_and_keeps_requires_grad(executor):
