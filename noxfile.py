@@ -1,15 +1,21 @@
 """Development sessions: ``nox`` runs tests, lint, typecheck and docs; ``nox -s demo`` the demo,
-``nox -s clients`` the tests with real third-party clients (scipy, dask), ``nox -s compat``
-runs CPython's own ProcessPoolExecutor tests against ours.
+``nox -s clients`` the tests with real third-party clients (scipy, dask), ``nox -s matrix``
+the tests on every supported Python and on the oldest dependencies, ``nox -s compat``
+CPython's own ProcessPoolExecutor tests against ours.
 
 Each session installs what it needs into its own virtual environment (made with the
 standard library's ``venv``, so neither uv nor virtualenv is required) under the Python
-that runs nox. Arguments after ``--`` go to the session's command, e.g.
+that runs nox, except the sessions named after a Python (``tests-3.12``, ``compat-3.13``):
+those take that Python from pyenv (``$PYENV_ROOT``, else ``~/.pyenv``), or else from
+``PATH`` (``python3.12``). A Python that is found nowhere fails its session, naming it: it
+is never skipped. Arguments after ``--`` go to the session's command, e.g.
 ``nox -s tests -- -x -k transport`` or ``nox -s demo -- --size-mb 64``.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,10 +23,25 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+# A session whose Python is missing fails (nox would skip it outside CI), and nox never
+# downloads a Python of its own.
+nox.options.error_on_missing_interpreters = True
+nox.options.download_python = "never"
 
 ROOT = Path(__file__).parent
 # What lint covers; the folders are skipped while they hold no Python file.
 LINT_PATHS = ["sharexec", "tests", "noxfile.py", "examples", "bench", "docs/conf.py"]
+
+# The Pythons sharexec supports: the README's support policy, pyproject.toml's classifiers.
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+# The runtime dependencies (pyproject.toml's `dependencies`), each pinned `name>=oldest`.
+RUNTIME = ["numpy", "loky", "cloudpickle"]
+# What a matrix session prints before its tests: what it tests.
+SHOW_VERSIONS = (
+    "import sys, numpy, loky, cloudpickle; "
+    "print('Python', sys.version.split()[0], '/ numpy', numpy.__version__, "
+    "'/ loky', loky.__version__, '/ cloudpickle', cloudpickle.__version__)"
+)
 
 
 def _present(paths: list[str]) -> list[str]:
@@ -32,11 +53,83 @@ def _present(paths: list[str]) -> list[str]:
     return found
 
 
+def _python(version: str) -> str:
+    """The interpreter for ``version`` ("3.12"): pyenv's newest 3.12.N, else "3.12" itself.
+
+    nox looks for a bare version on ``PATH`` (``python3.12``) and fails the session with
+    "Python interpreter 3.12 not found" if it is not there either.
+    """
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    found = []
+    for folder in (root / "versions").glob(f"{version}.*"):
+        patch = folder.name[len(version) + 1 :]
+        python = folder / "bin" / "python"
+        if patch.isdigit() and python.is_file():  # not 3.13.0t, 3.12-dev, ...
+            found.append((int(patch), str(python)))
+    return max(found)[1] if found else version
+
+
+def _oldest_pins() -> list[str]:
+    """``numpy==2.0``, ... : the lower bound of each runtime dependency in pyproject.toml."""
+    text = (ROOT / "pyproject.toml").read_text()
+    pins = []
+    for name in RUNTIME:
+        found = re.search(rf'^\s*"{name}>=([0-9.]+)[,"]', text, re.MULTILINE)
+        if found is None:
+            raise ValueError(f"pyproject.toml gives {name} no lower bound (>=)")
+        pins.append(f"{name}=={found.group(1)}")
+    return pins
+
+
+def _run_suite(session: nox.Session, *pins: str) -> None:
+    """Install sharexec with its test extra (and ``pins``), say what is tested, run pytest."""
+    session.install(".[test]", *pins)
+    session.run("python", "-c", SHOW_VERSIONS, silent=False)
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite (``python -m pytest``) against an installed sharexec."""
     session.install(".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+def _tests_on(version: str) -> None:
+    """Define the session ``tests-<version>``."""
+
+    def run(session: nox.Session) -> None:
+        _run_suite(session)
+
+    run.__doc__ = (
+        f"Run the test suite on Python {version}, with the newest dependencies it gets.\n\n"
+        "The newest releases that pyproject.toml's pins admit and that support this Python: "
+        "what a user installing sharexec on it gets today."
+    )
+    nox.session(run, name=f"tests-{version}", python=_python(version), default=False)
+
+
+for _version in PYTHONS:
+    _tests_on(_version)
+
+
+@nox.session(name="tests-oldest", python=_python(PYTHONS[0]), default=False)
+def tests_oldest(session: nox.Session) -> None:
+    """Run the test suite on Python 3.10 with the oldest dependencies the pins admit.
+
+    numpy, loky and cloudpickle at pyproject.toml's lower bounds, read from it
+    (``numpy>=2.0`` gives ``numpy==2.0``, i.e. 2.0.0), on the oldest supported Python,
+    which each of them supports.
+    """
+    _run_suite(session, *_oldest_pins())
+
+
+@nox.session(
+    python=False, requires=[*(f"tests-{v}" for v in PYTHONS), "tests-oldest"], default=False
+)
+def matrix(session: nox.Session) -> None:
+    """Run ``tests-3.10`` ... ``tests-3.13`` and ``tests-oldest``; fails if any failed."""
+    session.log("every Python and the oldest dependencies: passed")
 
 
 @nox.session
@@ -120,30 +213,58 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/run.py", *session.posargs)
 
 
-@nox.session(name="bench-torch", default=False)
+@nox.session(name="bench-torch", python=_python("3.11"), default=False)
 def bench_torch(session: nox.Session) -> None:
     """Run the tensor benchmark (``bench/torch_bench.py``): sharexec against the standard
     library's executor and ``torch.multiprocessing.Pool``; not a default session.
 
-    Installs torch 2.13.0, the version CI tests (on these machines a CPU build on local
-    disk, for Python 3.11); e.g. ``nox -s bench-torch -- --reps 9``.
+    Under Python 3.11, with the ``bench`` and ``torch`` extras: torch 2.13, the version CI
+    tests (on these machines a CPU build on local disk, for Python 3.11 only); e.g.
+    ``nox -s bench-torch -- --reps 9``.
     """
-    session.install(".[bench]", "torch==2.13.0")
+    session.install(".[bench,torch]")
     session.run("python", "bench/torch_bench.py", *session.posargs)
 
 
-@nox.session(python="3.11", default=False)
-def compat(session: nox.Session) -> None:
-    """Run CPython 3.11's own ProcessPoolExecutor tests against SharedProcessPoolExecutor.
+# The Pythons whose own test_concurrent_futures nox -s compat runs.
+COMPAT_PYTHONS = ["3.11", "3.13"]
 
-    ``tests/compat/run_cpython_suite.py``: the fork, forkserver and spawn variants of
-    ``test_concurrent_futures``, fetched at run time from Debian's libpython3.11-testsuite
-    (apt-get) into ``.cache/cpython-tests/``. Under Python 3.11 whatever runs nox, since the
-    suite is 3.11's; not a default session. Fails only if a test of public behaviour fails;
-    e.g. ``nox -s compat -- -k test_traceback --tracebacks``.
+
+def _compat_on(version: str) -> None:
+    """Define the session ``compat-<version>``."""
+
+    def run(session: nox.Session) -> None:
+        session.install(".")
+        session.run("python", "tests/compat/run_cpython_suite.py", *session.posargs)
+
+    where = (
+        "the suite fetched at run time from Debian's libpython3.11-testsuite (apt-get) "
+        "into ``.cache/cpython-tests/``"
+        if version == "3.11"
+        else f"the package ``test.test_concurrent_futures`` that Python {version} ships"
+    )
+    run.__doc__ = (
+        f"Run CPython {version}'s own ProcessPoolExecutor tests against ours.\n\n"
+        f"``tests/compat/run_cpython_suite.py`` under Python {version}, with {where}."
+    )
+    nox.session(run, name=f"compat-{version}", python=_python(version), default=False)
+
+
+for _version in COMPAT_PYTHONS:
+    _compat_on(_version)
+
+
+@nox.session(python=False, requires=[f"compat-{v}" for v in COMPAT_PYTHONS], default=False)
+def compat(session: nox.Session) -> None:
+    """Run CPython 3.11's and 3.13's own ProcessPoolExecutor tests against ours.
+
+    ``tests/compat/run_cpython_suite.py``, in ``compat-3.11`` and ``compat-3.13``: the
+    fork, forkserver and spawn variants of each Python's ``test_concurrent_futures``,
+    under that Python (3.11's from Debian's libpython3.11-testsuite, via apt-get; 3.13's
+    as pyenv's Python ships it). Not a default session. Each fails only if a test of
+    public behaviour fails; e.g. ``nox -s compat -- -k test_traceback --tracebacks``.
     """
-    session.install(".")
-    session.run("python", "tests/compat/run_cpython_suite.py", *session.posargs)
+    session.log("CPython's own ProcessPoolExecutor tests, public behaviour: passed")
 
 
 # The fault suite of issue 4: what docs/reliability.md reports.

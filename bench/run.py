@@ -564,6 +564,9 @@ def main(argv: list[str] | None = None) -> None:
     import measure
 
     started = time.perf_counter()
+    # When and what ran, taken first: the work tree may change while the run goes on.
+    started_at = datetime.datetime.now(datetime.timezone.utc)
+    run_versions = versions()
     load_before = uptime()
     shm_before = set(os.listdir(measure.SHM))
     log(f"load before: {load_before}")
@@ -637,8 +640,9 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "date": f"{started_at:%Y-%m-%d %H:%M} UTC",
         "cpus": os.cpu_count(),
-        "versions": versions(),
+        "versions": run_versions,
         "load_before": load_before,
         "load_after": load_after,
         "wall_s": wall,

@@ -1,11 +1,14 @@
 """Options of sharexec and their ``SHAREXEC_*`` environment variables, parsed in one place.
 
 An option given to an executor wins over its environment variable, which wins over the
-default. Unknown options are errors that name the option.
+default. Unknown options are errors that name the option. An unknown ``SHAREXEC_*``
+variable is ignored by executors (the environment is the user's), but the command line
+names it, with the known variable closest to it (:func:`unknown_variables`).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -25,13 +28,15 @@ DEFAULT_MIN_SHARE_BYTES = 256 << 10
 # Warm memory, held on both sides of a transfer under the same bounds, so that neither
 # side keeps what the other has let go of (see docs/design.md, "Warm memory"):
 # - the parent's pool of warm segments holds at most WARM_BYTES (and a quarter of
-#   shared memory), and drops a segment unused for WARM_IDLE_SECONDS;
+#   shared memory) in at most WARM_SEGMENTS segments (each is a name in the folder and
+#   a mapping in the parent), and drops a segment unused for WARM_IDLE_SECONDS;
 # - a worker keeps at most WARM_BYTES and KEPT_MAPPINGS mappings of the segments its
 #   tasks received, and drops them all after WARM_IDLE_SECONDS without a task. A copy
 #   stays in the parent's pool at least as long as a worker may keep its mapping.
 WARM_BYTES = 1 << 30
 WARM_IDLE_SECONDS = 10.0
 KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look up per call
+WARM_SEGMENTS = KEPT_MAPPINGS  # as many as a worker keeps mapped: neither side keeps more
 
 
 # The roads of private torch tensors (Options.tensor_sharing), the default first.
@@ -107,3 +112,56 @@ def _parse(name: str, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be one of {', '.join(TENSOR_SHARING)}, got {value!r}")
         return value
     raise AssertionError(name)  # pragma: no cover - every field has a parser
+
+
+PREFIX = "SHAREXEC_"
+
+# Variables read by the project's own tools rather than by the library, so not unknown:
+# {name: what reads it}.
+TOOL_VARIABLES = {
+    "SHAREXEC_FAULTS_REPORT": "the fault report of the test suite (nox -s faults)",
+    "SHAREXEC_DOCS_INTERSPHINX": "the documentation build (nox -s docs)",
+}
+
+
+def option_variables() -> dict[str, str]:
+    """The environment variable of each option, e.g.
+    ``{"SHAREXEC_MIN_SHARE_BYTES": "min_share_bytes", ...}``."""
+    return {PREFIX + f.name.upper(): f.name for f in fields(Options)}
+
+
+def check_variables(environ: Mapping[str, str] | None = None) -> list[ConfigError]:
+    """Every ``SHAREXEC_*`` option variable of ``environ`` whose value is invalid, as the
+    error an executor would raise for it (one per variable, not only the first)."""
+    environ = os.environ if environ is None else environ
+    errors = []
+    for name in sorted(option_variables()):
+        if name in environ:
+            try:
+                Options.resolve({}, {name: environ[name]})
+            except ConfigError as error:
+                errors.append(error)
+    return errors
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """The ``SHAREXEC_*`` variables of ``environ`` that nothing reads, each with the known
+    variable closest to it (None if none is close), e.g.
+    ``[("SHAREXEC_MIN_SHARE_BYTE", "SHAREXEC_MIN_SHARE_BYTES")]``."""
+    environ = os.environ if environ is None else environ
+    known = sorted([*option_variables(), *TOOL_VARIABLES])
+    # Compared without the prefix every name shares, which would make any two look alike.
+    suffixes = {name.removeprefix(PREFIX): name for name in known}
+    found = []
+    for name in sorted(environ):
+        if name.startswith(PREFIX) and name not in known:
+            close = difflib.get_close_matches(name.removeprefix(PREFIX), suffixes, n=1)
+            found.append((name, suffixes[close[0]] if close else None))
+    return found
+
+
+def describe_unknown(name: str, closest: str | None) -> str:
+    """One sentence about an unknown variable, for the command line."""
+    hint = f"; did you mean {closest}?" if closest else ""
+    known = ", ".join(sorted(option_variables()))
+    return f"{name} is not a sharexec variable and is ignored (known: {known}){hint}"

@@ -1,8 +1,14 @@
 """``python -m sharexec doctor``: what this machine offers sharexec, and what is wrong.
 
 Collects facts (platform, versions, the shared-memory folder and its free space, the
-fallback folder, start methods, stale segments left by dead processes) as
-:class:`Finding` records; only the command line prints them.
+fallback folder, ``SHAREXEC_*`` variables that are invalid or unknown, start methods,
+stale segments left by dead processes) as :class:`Finding` records; only the command
+line prints them.
+
+A segment is *stale* when its creator is dead, no process maps it and it has not changed
+for a minute: a segment whose creator died is not enough (a worker's result handed to a
+parent that is still running, a shared array a dead worker made for a live parent), and
+``--clean`` must never remove another program's live data on a shared machine.
 """
 
 from __future__ import annotations
@@ -13,16 +19,20 @@ import platform
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 from . import _segments
-from ._config import Options
+from ._config import Options, check_variables, describe_unknown, unknown_variables
+from .errors import ConfigError
 
-__all__ = ["Finding", "examine", "remove_stale"]
+__all__ = ["Finding", "examine", "remove_stale", "stale_segments", "variable_findings"]
 
 # Below this, /dev/shm is too small for the arrays sharexec is meant for (Docker's
 # default is 64 MB): segments then spill to disk.
 SMALL_SHM_BYTES = 1 << 30
+# A segment unchanged for less than this may be in flight between two processes.
+STALE_AFTER_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -42,17 +52,46 @@ def _size(n: float) -> str:
     raise AssertionError  # pragma: no cover
 
 
+def mapped_segments() -> set[str]:
+    """Names of the sharexec segments that some process (that this user may look at)
+    maps now, from ``/proc/*/maps``."""
+    marker = os.path.join(_segments.SHM_FOLDER, _segments.PREFIX)
+    found = set()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    at = line.find(marker)
+                    if at >= 0:
+                        found.add(os.path.basename(line[at:].split()[0]))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
 def stale_segments() -> list[tuple[str, int]]:
-    """sharexec segments whose creating process is dead, with their sizes."""
+    """sharexec segments whose creating process is dead, that no process maps and that
+    have not changed for ``STALE_AFTER_SECONDS``, with their sizes."""
     found = []
+    mapped: set[str] | None = None
+    now = time.time()
     for name in _segments.listdir():
         pid = name.split("-")[1]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            path = os.path.join(_segments.SHM_FOLDER, name)
-            try:
-                found.append((name, os.stat(path).st_size))
-            except FileNotFoundError:
-                continue
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        path = os.path.join(_segments.SHM_FOLDER, name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_SECONDS:
+            continue
+        if mapped is None:
+            mapped = mapped_segments()
+        if name not in mapped:
+            found.append((name, st.st_size))
     return found
 
 
@@ -62,6 +101,14 @@ def remove_stale() -> list[str]:
     for name in names:
         _segments.unlink(name)
     return names
+
+
+def variable_findings() -> list[Finding]:
+    """One error per invalid ``SHAREXEC_*`` value, one warning per unknown variable."""
+    findings = [Finding("environment", str(error), "error") for error in check_variables()]
+    for name, closest in unknown_variables():
+        findings.append(Finding("environment", describe_unknown(name, closest), "warning"))
+    return findings
 
 
 def examine() -> list[Finding]:
@@ -103,7 +150,13 @@ def examine() -> list[Finding]:
         findings.append(
             Finding("shared memory", f"{shm} is missing: every segment spills to disk", "error")
         )
-    options = Options.resolve({})
+    findings.extend(variable_findings())
+    try:
+        options = Options.resolve({})
+        source = ""
+    except ConfigError:  # reported above; the defaults stand for the rest
+        options = Options()
+        source = " (the default: a variable is invalid, see above)"
     spill = options.temp_folder or tempfile.gettempdir()
     findings.append(
         Finding(
@@ -114,7 +167,7 @@ def examine() -> list[Finding]:
         )
     )
     findings.append(
-        Finding("min_share_bytes", f"{options.min_share_bytes:,} bytes", "ok"),
+        Finding("min_share_bytes", f"{options.min_share_bytes:,} bytes{source}", "ok"),
     )
     methods = multiprocessing.get_all_start_methods()
     findings.append(Finding("start methods", ", ".join([*methods, "loky"]), "ok"))

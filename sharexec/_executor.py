@@ -43,19 +43,25 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
+import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
+from itertools import islice
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from . import _tracking
 from ._config import Options
 from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context
-from ._transport import Task, Transport
+from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, RebuildFailure
-from ._worker import run, run_initializer
+from ._worker import run, run_chunk, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
@@ -82,29 +88,56 @@ def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
 
 @dataclass(frozen=True)
 class Statistics:
-    """A snapshot of what an executor moved through shared memory.
+    """A snapshot of what an executor moved through shared memory, and what is held now.
+
+    The byte counts are of the data itself (no pickle framing) and run from the
+    executor's creation; the segment counts are of this moment. A worked example whose
+    numbers the test suite checks is in the documentation (*How it works*, "Reading
+    statistics()").
 
     Attributes
     ----------
     segments_live : int
-        Shared-memory segments this process holds now: shared arrays, copies of
-        arguments in flight, results not yet collected, warm segments pooled for reuse.
+        Segments of this process that hold live data now: shared arrays (from
+        :func:`sharexec.zeros` and friends, of any executor or none), copies of the
+        arguments of tasks in flight, segments lent to tasks in flight for their results,
+        and results not yet garbage-collected. Warm segments kept in pools for reuse are
+        not counted here (see `segments_pooled`). Counted for the whole process: a
+        shared array belongs to no executor.
     bytes_in_shared_memory : int
-        Their total size.
+        The total size of the `segments_live` (including, after a fallback, file-backed
+        segments on disk).
+    segments_pooled : int
+        Warm segments this executor keeps for its next copies and results: no data of
+        yours lives in them, and they are freed after 10 s unused or at shutdown.
+    bytes_pooled : int
+        Their total size: at most a quarter of the shared-memory folder, and 1 GiB.
     bytes_copied : int
-        Argument bytes this executor copied into shared memory (one memcpy each).
+        Bytes of arguments copied into shared memory, one memcpy each: a large private
+        array (or its part a task can see) once per copy made, a gappy view
+        (``img[:1024, :1024]``) once, compactly.
     bytes_reused : int
-        Argument bytes served by a copy already in shared memory: copies avoided.
+        Bytes of arguments sent from a copy that already held them, instead of copying
+        them again: the same unchanged array submitted again while its copy lived, or
+        a second view of one base in the same call (``f(a, a.T)``). Copies avoided; never
+        overlaps `bytes_copied` for the same send.
     bytes_by_reference : int
-        Bytes of shared arrays passed by reference (nothing copied).
+        Bytes of shared arrays and views passed to tasks by reference (nothing copied),
+        summed over calls: what each task can reach through the views it was given
+        (``out[:1000]``: 1000 elements; at most the segment's size). An array passed to
+        ten tasks counts ten times: this is the pickling avoided, not memory in use.
     fallbacks : int
-        Times shared memory fell short: a file on disk, or pickling, was used instead.
+        Times shared memory fell short for an argument: a file on disk, or pickling, was
+        used instead.
     tasks_submitted, tasks_done : int
-        Calls submitted, and calls whose future is done.
+        Calls submitted, and calls whose future is done (result, exception or
+        cancelled).
     """
 
     segments_live: int
     bytes_in_shared_memory: int
+    segments_pooled: int
+    bytes_pooled: int
     bytes_copied: int
     bytes_reused: int
     bytes_by_reference: int
@@ -187,7 +220,9 @@ class SharedProcessPoolExecutor(LokyExecutor):
         self._init_task: Task | None = None
         if initializer is not None:
             self._init_task = Task(initializer, tuple(initargs), {}, self._transport)
-        initializer, initargs = run_initializer, (os.getpid(), self._init_task)
+        initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress())
+        initializer = run_initializer
+        self._sweeper_reached = False  # see submit
         super().__init__(
             max_workers=max_workers,
             context=context,
@@ -206,11 +241,20 @@ class SharedProcessPoolExecutor(LokyExecutor):
         # The future is ours from the start (not loky's, as its submit would make): the
         # task is complete before the feeder thread can pickle it, and no more objects
         # than loky's own are left for the garbage collector per pending call.
+        if not self._sweeper_reached:
+            # Before the first workers start: forked, they must know the sweeper's
+            # address (see run_initializer), and every call carries it anyway.
+            self._transport.context()
+            self._sweeper_reached = True
         task = Task(fn, args, kwargs, self._transport)
         future: _Future = _Future(task)
         self._enqueue(future, run, (task,))
         self._transport.counts.add("tasks_submitted")
         return future
+
+    def _workers_started(self, pids: list[int]) -> None:
+        # The sweeper ends them if they outlive this process (stopped, they cannot).
+        _tracking.workers_started(pids)
 
     def statistics(self) -> Statistics:
         """What this executor moved, and how: proof that sharing happens.
@@ -218,14 +262,19 @@ class SharedProcessPoolExecutor(LokyExecutor):
         Returns
         -------
         Statistics
-            Counts since the executor was created, and the segments this process
-            holds right now.
+            Counts since the executor was created, and the segments held right now
+            (live data apart from the warm pool); each field is described there.
         """
         counts = self._transport.counts
-        segments, size = _tracking.live()
+        pooled, pooled_bytes = self._transport.pool.totals()
+        # The process's own segments less every executor's pool: those holding data.
+        owned, owned_bytes = _tracking.live()
+        everywhere, everywhere_bytes = pooled_everywhere()
         return Statistics(
-            segments_live=segments,
-            bytes_in_shared_memory=size,
+            segments_live=max(0, owned - everywhere),
+            bytes_in_shared_memory=max(0, owned_bytes - everywhere_bytes),
+            segments_pooled=pooled,
+            bytes_pooled=pooled_bytes,
             bytes_copied=counts["bytes_copied"],
             bytes_reused=counts["bytes_reused"],
             bytes_by_reference=counts["bytes_by_reference"],
@@ -240,22 +289,54 @@ class SharedProcessPoolExecutor(LokyExecutor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        buffersize: int | None = None,
     ) -> Iterator[T]:
         """Return an iterator of ``fn`` applied to the items of ``iterables``, in order.
 
-        As :meth:`concurrent.futures.Executor.map`. The chunks of a large array passed
-        as items (``np.array_split(a, 64)``) are each copied once into shared memory.
+        As :meth:`concurrent.futures.ProcessPoolExecutor.map` of Python 3.14, on every
+        Python sharexec supports. The chunks of a large array passed as items
+        (``np.array_split(a, 64)``) are each copied once into shared memory.
+
+        Parameters
+        ----------
+        fn : callable
+            Called as ``fn(*items)``, one item of each iterable.
+        *iterables : iterable
+            Consumed in step, until the shortest ends.
+        timeout : float, optional
+            Seconds, from this call, within which every result must be ready:
+            :class:`TimeoutError` when one is not.
+        chunksize : int, default 1
+            Calls sent to a worker together, in one task.
+        buffersize : int, optional
+            At most this many tasks (of ``chunksize`` calls) are submitted ahead of the
+            results consumed: ``map`` over a huge or endless iterator takes items as
+            results are taken. By default every call is submitted at once.
+
+        Returns
+        -------
+        iterator
+            The results, in the order of the items. A call's exception is raised when its
+            result is reached; closing the iterator cancels the calls not started.
         """
+        if buffersize is not None:
+            if not isinstance(buffersize, int):
+                raise TypeError("buffersize must be an integer or None")
+            if buffersize < 1:
+                raise ValueError("buffersize must be None or > 0")
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        calls = zip(*iterables, strict=False)  # to the shortest, as map()
         if chunksize == 1:
-            # A call per item, submitted as it is: loky (as the stdlib) would wrap each in
-            # a one-item chunk, a partial that no call with plain arguments could skip the
-            # pickling pass with (see Transport.plain_call).
-            return Executor.map(self, fn, *iterables, timeout=timeout)
-        results: Iterator[T] = super().map(fn, *iterables, timeout=timeout, chunksize=chunksize)
-        return results
+            # A call per item, submitted as it is, so that calls with plain arguments
+            # skip the pickling pass (see Transport.plain_call).
+            return _results(self, fn, calls, timeout, buffersize)
+        chunks = ((chunk,) for chunk in _batched(calls, chunksize))
+        return _flatten(_results(self, partial(run_chunk, fn), chunks, timeout, buffersize))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Free the workers and, with ``wait``, the segments of the executor.
+        """Free the workers and the segments of the executor (without ``wait``, those of
+        the calls still pending as each is done).
 
         As :meth:`concurrent.futures.Executor.shutdown`: with ``cancel_futures``, the
         calls not yet started are cancelled.
@@ -265,8 +346,128 @@ class SharedProcessPoolExecutor(LokyExecutor):
                 future.cancel()
         super().shutdown(wait=wait)
         self._transport.close()
-        if wait and self._init_task is not None:
-            self._init_task.release()
+        if self._init_task is not None:
+            if wait:
+                self._init_task.release()
+            else:
+                self._release_init_task_when_done(self._pending_futures())
+
+    def _release_init_task_when_done(self, pending: list[Future[Any]]) -> None:
+        """Release the initializer's call (its copies) once these calls are done.
+
+        Shut down, the pool starts a worker (which needs it) only to replace one while
+        calls are pending: none is, after the last of them. Not before: that would keep
+        its copies in /dev/shm for as long as this object lives.
+        """
+        task = self._init_task
+        assert task is not None
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                task.release()
+
+        if not pending:
+            task.release()
+        for future in pending:
+            future.add_done_callback(one_done)  # at once if it is done already
+
+    def terminate_workers(self) -> None:
+        """Terminate every live worker now (SIGTERM), and shut the executor down.
+
+        As :meth:`concurrent.futures.ProcessPoolExecutor.terminate_workers` of Python
+        3.14: the calls not started are cancelled, those running fail with
+        :class:`~concurrent.futures.process.BrokenProcessPool`, and no call may be
+        submitted afterwards. Their segments are freed as for any dead worker.
+        """
+        self._force_shutdown(kill=False)
+
+    def kill_workers(self) -> None:
+        """Kill every live worker now (SIGKILL), and shut the executor down.
+
+        As :meth:`concurrent.futures.ProcessPoolExecutor.kill_workers` of Python 3.14,
+        otherwise as :meth:`terminate_workers`.
+        """
+        self._force_shutdown(kill=True)
+
+    def _force_shutdown(self, kill: bool) -> None:
+        # The processes first: shutting down forgets them. Not waiting: a worker that
+        # would not exit would hold us forever.
+        processes = self._pool_processes()
+        self.shutdown(wait=False, cancel_futures=True)
+        signum = signal.SIGKILL if kill else signal.SIGTERM
+        for process in processes:
+            try:
+                if process.is_alive():  # not exited (and reaped): its pid is still its own
+                    os.kill(process.pid, signum)  # loky's processes have no kill()
+            except (ValueError, ProcessLookupError):  # closed, or gone meanwhile
+                continue
+
+
+def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
+    """``items`` in lists of ``n`` (the last may be shorter), as they are taken."""
+    while chunk := list(islice(items, n)):
+        yield chunk
+
+
+def _results(
+    executor: SharedProcessPoolExecutor,
+    fn: Callable[..., Any],
+    calls: Iterator[tuple[Any, ...]],
+    timeout: float | None,
+    buffersize: int | None,
+) -> Iterator[Any]:
+    """Submit the calls (all now, or ``buffersize`` ahead) and iterate their results.
+
+    The standard library's ``Executor.map`` of Python 3.14, which older Pythons lack.
+    """
+    end = None if timeout is None else timeout + time.monotonic()
+    futures = deque(executor.submit(fn, *args) for args in islice(calls, buffersize))
+    # Weakly: an executor is collected (and shut down) as usual while this iterator lives.
+    owner = weakref.ref(executor)
+
+    def iterate() -> Iterator[Any]:
+        try:
+            while futures:
+                if buffersize is not None:
+                    alive = owner()
+                    args = next(calls, None) if alive is not None else None
+                    if args is not None and alive is not None:
+                        futures.append(alive.submit(fn, *args))
+                    del alive
+                # Not a name for the future: a reference kept here would keep its
+                # result (and a traceback cycle) alive while the caller holds the value.
+                if end is None:
+                    yield _result_or_cancel(futures.popleft())
+                else:
+                    yield _result_or_cancel(futures.popleft(), end - time.monotonic())
+        finally:
+            for future in futures:
+                future.cancel()
+
+    return iterate()
+
+
+def _result_or_cancel(future: Future[Any], timeout: float | None = None) -> Any:
+    try:
+        try:
+            return future.result(timeout)
+        finally:
+            future.cancel()
+    finally:
+        del future  # breaks the cycle of an exception's traceback with this frame
+
+
+def _flatten(chunks: Iterator[list[Any]]) -> Iterator[Any]:
+    """The items of each chunk's list of results, holding none once yielded."""
+    for chunk in chunks:
+        chunk.reverse()
+        while chunk:
+            yield chunk.pop()
 
 
 class _Future(LokyFuture):

@@ -9,8 +9,10 @@ else in sharexec; the rest of the package sees the small surface below, with pla
   own class (loky's ``submit`` makes its own future, so ``_enqueue`` repeats its few
   lines on loky's state: ``_flags``, ``_pending_work_items``, ``_work_ids``,
   ``_queue_count``, the manager thread's wake-up); the pool's state read through
-  ``_pool_broken``, ``_pool_shut_down``, ``_pool_max_workers`` and ``_pending_futures()``;
-  and the two queue subclasses below, swapped in as loky creates its queues.
+  ``_pool_broken``, ``_pool_shut_down``, ``_pool_max_workers``, ``_pool_processes()`` and
+  ``_pending_futures()``; the workers it starts, reported to ``_workers_started(pids)``
+  (loky's ``_adjust_process_count`` and ``_processes``); and the two queue subclasses
+  below, swapped in as loky creates its queues.
 * The queues, subclasses of loky's (:class:`_CallQueue`, :class:`_ResultQueue`): loky
   pickles every item it puts on a queue with a fresh cloudpickle pickler, whose set-up
   (a copied dispatch table) costs about 15 µs, more than the rest of a tiny task's trip
@@ -119,6 +121,7 @@ def _problems() -> list[str]:
             "ProcessPoolExecutor._setup_queues",
             "ProcessPoolExecutor._ensure_executor_running",
             "ProcessPoolExecutor._start_executor_manager_thread",
+            "ProcessPoolExecutor._adjust_process_count",
         ),
         *_assigns(
             pe,
@@ -130,8 +133,10 @@ def _problems() -> list[str]:
             "_executor_manager_thread_wakeup",
             "_executor_manager_thread",
             "_max_workers",
+            "_processes",
             "_call_queue",
             "_result_queue",
+            "_processes",
         ),
         *_assigns(pe, "_ExecutorFlags", "broken", "shutdown", "shutdown_lock"),
         *_assigns(pe, "_WorkItem", "future"),
@@ -149,6 +154,8 @@ def _problems() -> list[str]:
         *_uses(
             pe, "ProcessPoolExecutor._ensure_executor_running", "_start_executor_manager_thread"
         ),
+        *_uses(pe, "ProcessPoolExecutor._ensure_executor_running", "_adjust_process_count"),
+        *_uses(pe, "_ExecutorManagerThread.process_result_item", "_adjust_process_count"),
         # The queues: loky's, multiprocessing's feeder rebuilt, recycling.
         *_has(pe, "_SafeQueue._on_queue_feeder_error", "_CallItem", "_ResultItem"),
         *_has(pe, "_RecycledWorkerPid", "_SafeQueue.__getstate__", "_SafeQueue.__setstate__"),
@@ -310,7 +317,7 @@ _NO_KEYWORDS: dict[str, Any] = {}  # the keywords of every call queued: never ch
 
 
 class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
-    """loky's executor, with what sharexec's needs of its internals under plain names.
+    """loky's executor, with what sharexec needs of its internals under plain names.
 
     ``max_tasks_per_child`` recycles each worker after that many tasks (loky's constructor
     has no such argument); the other arguments are loky's. The call and result queues are
@@ -377,6 +384,11 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         """The number of workers the pool keeps."""
         return int(self._max_workers)
 
+    def _pool_processes(self) -> list[Any]:
+        """The worker processes alive now (a copy: shutting down empties loky's table)."""
+        processes = self._processes
+        return list(processes.values()) if processes else []
+
     def _pending_futures(self) -> list[Future[Any]]:
         """The futures of the calls not done yet, e.g. for ``shutdown(cancel_futures=True)``."""
         return [item.future for item in list(self._pending_work_items.values())]
@@ -390,6 +402,18 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         self._call_queue.__class__ = _CallQueue
         self._call_queue.max_tasks = self._max_tasks_per_child
         self._result_queue.__class__ = _ResultQueue
+
+    def _adjust_process_count(self) -> None:
+        # loky starts workers here (at a submit, or in its manager thread to replace
+        # recycled ones), and lists them in _processes by pid.
+        before = set(self._processes)
+        super()._adjust_process_count()
+        started = [pid for pid in self._processes if pid not in before]
+        if started:
+            self._workers_started(started)
+
+    def _workers_started(self, pids: list[int]) -> None:
+        """Hook: loky started these worker processes."""
 
     def _start_executor_manager_thread(self) -> None:
         super()._start_executor_manager_thread()

@@ -39,6 +39,7 @@ A :class:`Packed` is what one pass made: the payload (small), its out-of-band bu
 
 from __future__ import annotations
 
+import bisect
 import io
 import logging
 import os
@@ -95,7 +96,7 @@ def dumps(obj: Any, sink: Sink, arguments: frozenset[int] = frozenset()) -> Pack
         # only the garbage collector would break. Empty it now, so that the arguments
         # it memoized and the segments of a failed pass are freed at once.
         pickler.clear_memo()
-        state.buffers, state.keep, state.copied, state.copies = [], [], [], []
+        state.buffers, state.keep, state.copied, state.copies = [], [], _Copied(), []
     sink.done(packed)
     return packed
 
@@ -156,9 +157,7 @@ class Pass:
         self.buffers: list[BufferRef] = []
         self.keep: list[Mapping] = []
         self.copies: list[Mapping] = []  # the copies among keep
-        # Byte ranges copied in this pass, e.g. [(140213, 8140213, <Mapping>)]: a buffer
-        # inside one of them reuses it.
-        self.copied: list[tuple[int, int, Mapping]] = []
+        self.copied = _Copied()  # byte ranges copied in this pass: a buffer inside one reuses it
         self.torch = _tensors()  # sharexec._tensors where torch is loaded, else None
 
     def reduce_array(self, a: np.ndarray) -> Any:
@@ -219,7 +218,7 @@ class Pass:
         return tensors.rebuild_shared_storage, (mapping.name, len(mapping), offset, nbytes, adopt)
 
     def _holds(self, low: int, high: int) -> bool:
-        return any(lo <= low and high <= hi for lo, hi, _ in self.copied)
+        return self.copied.find(low, high) is not None
 
     def _compact(self, a: np.ndarray) -> Any:
         """Copy a gappy view (``a[::2]``, ``a[:, :500]``) compactly: only its elements.
@@ -239,7 +238,7 @@ class Pass:
         return _describe(copy, mapping, mapping.address, mapping.address + a.nbytes)
 
     def _copied(self, low: int, length: int, mapping: Mapping) -> None:
-        self.copied.append((low, low + length, mapping))
+        self.copied.add(low, low + length, mapping)
         self.keep.append(mapping)
         self.copies.append(mapping)
 
@@ -250,11 +249,10 @@ class Pass:
         if length < self.min_share_bytes:
             return True
         low = _address(raw)
-        for copied_low, copied_high, copied in self.copied:
-            if copied_low <= low and low + length <= copied_high:
-                mapping, offset = copied, low - copied_low
-                self.sink.count("bytes_reused", length)
-                break
+        found = self.copied.find(low, low + length)
+        if found is not None:
+            mapping, offset = found
+            self.sink.count("bytes_reused", length)
         else:
             placed = self.sink.place(raw, low)
             if placed is None:
@@ -263,6 +261,45 @@ class Pass:
             self._copied(low, length, mapping)
         self.buffers.append((mapping.name, len(mapping), offset, length))
         return False
+
+
+class _Copied:
+    """The byte ranges one pass copied, and the copy holding each: a buffer that lies
+    inside one of them is sent from that copy, at an offset.
+
+    A lookup is a bisection, an insertion a bisection and a list insertion (a memmove of
+    pointers), where a scan of every copy made the pass quadratic in its buffers (see
+    ``bench/many_buffers.py``). The ranges are kept sorted by start,
+    none inside another: a range that comes to contain earlier ones replaces them here
+    (their copies still serve the buffers that took them, and hold the same bytes). So
+    the ends are sorted too, and the only range that may hold ``[low, high)`` is the last
+    one to start at or before ``low``.
+    """
+
+    def __init__(self) -> None:
+        # Starts of the ranges, sorted, e.g. [140213, 9000000], and the ranges,
+        # e.g. [(140213, 8140213, <Mapping>), (9000000, 9004096, <Mapping>)].
+        self.starts: list[int] = []
+        self.ranges: list[tuple[int, int, Mapping]] = []
+
+    def find(self, low: int, high: int) -> tuple[Mapping, int] | None:
+        """The copy holding the bytes ``[low, high)``, and ``low``'s offset in it."""
+        i = bisect.bisect_right(self.starts, low) - 1
+        if i < 0:
+            return None
+        start, end, mapping = self.ranges[i]
+        return (mapping, low - start) if high <= end else None
+
+    def add(self, low: int, high: int, mapping: Mapping) -> None:
+        """``mapping`` holds a copy of the bytes ``[low, high)``."""
+        if self.find(low, high) is not None:
+            return  # inside a range already: that one serves these bytes too
+        i = bisect.bisect_left(self.starts, low)
+        j = i  # the ranges inside the new one (they start at or after it) end before it
+        while j < len(self.ranges) and self.ranges[j][1] <= high:
+            j += 1
+        self.starts[i:j] = [low]
+        self.ranges[i:j] = [(low, high, mapping)]
 
 
 class _Span:

@@ -45,13 +45,13 @@ import cloudpickle
 import numpy as np
 
 from . import _segments, _tracking, _wire
-from ._config import WARM_BYTES, WARM_IDLE_SECONDS, Options
-from ._reduction import Sink, argument_owner, dumps
+from ._config import WARM_BYTES, WARM_IDLE_SECONDS, WARM_SEGMENTS, Options
+from ._reduction import Packed, Sink, argument_owner, dumps
 from ._segments import Mapping
 from ._wire import BufferRef, Delivered, is_plain, load_function
 from ._worker import load_call
 
-__all__ = ["ForwardSink", "Task", "Transport"]
+__all__ = ["ForwardSink", "Task", "Transport", "pooled_everywhere"]
 
 _FUNCTIONS_REMEMBERED = 256  # functions whose last result sizes are kept
 
@@ -183,18 +183,22 @@ class Transport:
         self.token = next(_tokens)  # by which results find self.loans (_wire.load_result)
         _wire.register(self.token, self.loans)
         self._context: bytes | None = None  # see context()
+        self._context_sweeper: tuple[bytes, int] | None = None  # the sweeper it names
 
     def number(self) -> int:
         """The next number: every task numbered below it was submitted before now."""
         return next(self._numbers)
 
     def context(self) -> bytes:
-        """What every call tells its worker about this executor, pickled once: the
-        options, the address of the session's sweeper (started if need be), and the
-        token by which results find this transport (see ``_worker.load_call``)."""
-        if self._context is None:
-            about = (self.options, _tracking.sweeper_address(), self.token)
+        """What every call tells its worker about this executor, pickled once (and again
+        when the root started a new sweeper): the options, the address of the session's
+        sweeper (started if need be) and its generation, and the token by which results
+        find this transport (see ``_worker.load_call``)."""
+        sweeper = _tracking.sweeper_address()
+        if self._context is None or sweeper != self._context_sweeper:
+            about = (self.options, sweeper, self.token)
             self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)
+            self._context_sweeper = sweeper
         return self._context
 
     def plain_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes | None:
@@ -294,12 +298,12 @@ class Functions:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
         self._lock = threading.Lock()
-        # Whether each function pickles by name, e.g. {<function total>: True}; valid
-        # while cloudpickle's by-value registry is _registry.
-        self._by_name: weakref.WeakKeyDictionary[types.FunctionType, bool] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._registry: frozenset[str] = frozenset()
+        # Whether each function pickles by name, by the function's id, with a weak
+        # reference to it, e.g. {140213: (<weakref to total>, True)}: looked up per call,
+        # with no weak reference made for the look-up (as a WeakKeyDictionary would).
+        # Valid while cloudpickle's by-value registry is _registry.
+        self._by_name: dict[int, tuple[weakref.ref[types.FunctionType], bool]] = {}
+        self._registry: set[str] = set()
         # Pickles of functions sent by value, e.g. {<function square>: b"\x80\x05…"};
         # None: not cacheable (large buffers in its globals).
         self._payloads: weakref.WeakKeyDictionary[types.FunctionType, bytes | None] = (
@@ -316,14 +320,14 @@ class Functions:
 
     def by_name(self, fn: types.FunctionType) -> bool:
         """Whether cloudpickle pickles ``fn`` by reference to its module and name."""
-        registry = frozenset(cloudpickle.list_registry_pickle_by_value())
-        with self._lock:
-            if registry != self._registry:  # a module was (un)registered: ask again
+        registry = cloudpickle.list_registry_pickle_by_value()  # a copy, of a few names
+        if registry != self._registry:  # a module was (un)registered: ask again
+            with self._lock:
                 self._by_name.clear()
                 self._registry = registry
-            known = self._by_name.get(fn)
-        if known is not None:
-            return known
+        known = self._by_name.get(id(fn))
+        if known is not None and known[0]() is fn:
+            return known[1]
         by_name = fn.__module__ != "__main__"  # always by value, cloudpickle documents
         if by_name:
             try:
@@ -332,8 +336,15 @@ class Functions:
                 by_name = False
             else:
                 by_name = cloudpickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL) == reference
+        key = id(fn)
+
+        def forget(ref: weakref.ref[types.FunctionType]) -> None:
+            with self._lock:
+                if self._by_name.get(key, (None,))[0] is ref:
+                    del self._by_name[key]
+
         with self._lock:
-            self._by_name[fn] = by_name
+            self._by_name[key] = (weakref.ref(fn, forget), by_name)
         return by_name
 
     def payload(self, fn: types.FunctionType) -> bytes | None:
@@ -377,13 +388,15 @@ class ForwardSink(Sink):
         self.cache_functions = cache_functions
 
     def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
-        self.count("bytes_by_reference", nbytes)
+        # What the task can reach through this view: its elements, and never more than
+        # the segment (a broadcast view, stride 0, has more elements than bytes).
+        self.count("bytes_by_reference", min(nbytes, len(mapping)))
         return False
 
     def place(self, raw: memoryview, low: int) -> Mapping | None:
         reused = self.transport.reuse(raw, low, self.task)
-        if reused is not None:
-            self.count("bytes_reused", raw.nbytes)
+        if reused is not None:  # a copy made for an earlier call: a copy avoided
+            self.transport.counts.add("bytes_reused", raw.nbytes)
             return reused
         made = self.transport.number()  # tasks numbered below came before this copy
         mapping = super().place(raw, low)
@@ -403,7 +416,25 @@ class ForwardSink(Sink):
         _in_parallel(len(source), copy)
 
     def count(self, what: str, n: int) -> None:
-        self.transport.counts.add(what, n)
+        # The pass reports a buffer inside bytes it copied earlier in the same pass as
+        # reused; but a gappy view's compact copy is such a buffer too, at its first and
+        # only use (copied, not reused). Reuse within a pass is counted in done()
+        # instead, from the buffers themselves.
+        if what != "bytes_reused":
+            self.transport.counts.add(what, n)
+
+    def done(self, packed: Packed) -> None:
+        # A buffer in a segment an earlier buffer of this pass went to shares that copy
+        # (a second view of one base: a.T after a): a copy avoided. The first buffer in
+        # each segment was copied there, or reused from an earlier call (see place()).
+        seen: set[str] = set()
+        reused = 0
+        for name, _, _, length in packed.buffers:
+            if name in seen:
+                reused += length
+            seen.add(name)
+        if reused:
+            self.transport.counts.add("bytes_reused", reused)
 
     def fell_back(self, message: str) -> None:
         self.count("fallbacks", 1)
@@ -561,17 +592,22 @@ class SegmentPool:
     """Segments no task holds and no worker maps any more, whose pages are already
     faulted in: a memcpy into them runs ~10x faster than into fresh shared pages.
 
-    Bounded in bytes (``limit``) and in age (``WARM_IDLE_SECONDS``): a timer trims it
-    while it holds anything, so an idle executor does not keep its warm segments. A
-    segment dropped from the pool is unlinked (its handle is collected). Once closed
-    (the executor shut down), nothing comes in any more.
+    Bounded in bytes (``limit``), in count (``count``: each pooled segment is a name in
+    the shared-memory folder and a mapping here) and in age (``WARM_IDLE_SECONDS``): a
+    timer trims it while it holds anything, so an idle executor does not keep its warm
+    segments. A segment dropped from the pool is unlinked (its handle is collected).
+    Once closed (the executor shut down), nothing comes in any more.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, count: int = WARM_SEGMENTS) -> None:
         self._limit = limit
+        self._count = count
         self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
-        # Oldest first, with the time each came in, e.g. [(<Mapping>, 5012.5)].
+        _pools.add(self)
+        # Oldest first, with the time each came in, e.g. [(<Mapping>, 5012.5)], and
+        # their total size in bytes, e.g. 8000000.
         self._pool: list[tuple[Mapping, float]] = []
+        self._bytes = 0
         self._closed = False
         self._trimmer: threading.Timer | None = None  # trims the pool once idle
 
@@ -580,6 +616,7 @@ class SegmentPool:
         with self._lock:
             if not self._closed:
                 self._pool.append((mapping, time.monotonic()))
+                self._bytes += len(mapping)
                 self._trim()
 
     def take(self, size: int) -> Mapping | None:
@@ -591,33 +628,47 @@ class SegmentPool:
                 return None
             entry = min(fits, key=lambda e: len(e[0]))
             self._pool.remove(entry)
+            self._bytes -= len(entry[0])
         return entry[0]
 
     def remove(self, mapping: Mapping) -> None:
         """Take ``mapping`` out of the pool, if it is there."""
         with self._lock:
             self._pool = [e for e in self._pool if e[0] is not mapping]
+            self._bytes = sum(len(m) for m, _ in self._pool)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pool)
 
     def names(self) -> list[str]:
         """Names of the segments in the pool."""
         with self._lock:
             return [m.name for m, _ in self._pool]
 
+    def totals(self) -> tuple[int, int]:
+        """How many segments the pool holds now, and their total size in bytes."""
+        with self._lock:
+            return len(self._pool), sum(len(m) for m, _ in self._pool)
+
     def close(self) -> None:
         """Drop every pooled segment; none comes in any more."""
         with self._lock:
             self._closed = True
             self._pool = []
+            self._bytes = 0
             if self._trimmer is not None:
                 self._trimmer.cancel()
                 self._trimmer = None
 
     def _trim(self) -> None:
-        """Drop pooled segments idle too long, or beyond the byte limit (lock held)."""
+        """Drop pooled segments idle too long, or beyond the limits (lock held)."""
         old = time.monotonic() - WARM_IDLE_SECONDS
-        self._pool = [(m, t) for m, t in self._pool if t >= old]
-        while sum(len(m) for m, _ in self._pool) > self._limit:
-            self._pool.pop(0)
+        if self._pool and self._pool[0][1] < old:  # oldest first: any to drop is in front
+            self._pool = [(m, t) for m, t in self._pool if t >= old]
+            self._bytes = sum(len(m) for m, _ in self._pool)
+        while self._pool and (self._bytes > self._limit or len(self._pool) > self._count):
+            self._bytes -= len(self._pool.pop(0)[0])
         if self._pool and self._trimmer is None and not self._closed:
             self._trimmer = threading.Timer(WARM_IDLE_SECONDS, self._trim_later)
             self._trimmer.daemon = True
@@ -715,6 +766,17 @@ class ResultLoans:
             _tracking.forget(name)
 
 
+# Every executor's pool in this process: the segments this process owns less these are
+# the ones that hold live data (statistics()).
+_pools: weakref.WeakSet[SegmentPool] = weakref.WeakSet()
+
+
+def pooled_everywhere() -> tuple[int, int]:
+    """Segments in the pools of every executor of this process, and their total size."""
+    totals = [pool.totals() for pool in list(_pools)]
+    return sum(n for n, _ in totals), sum(size for _, size in totals)
+
+
 def _put_back(pool: weakref.ref[SegmentPool], mapping: Mapping) -> None:
     """A result is collected: its segment goes to the pool, or is dropped (and so
     unlinked) if the pool's executor is gone."""
@@ -730,6 +792,12 @@ def _put_back(pool: weakref.ref[SegmentPool], mapping: Mapping) -> None:
 
 class Counts:
     """What went where, for ``statistics()``, e.g. ``{"bytes_copied": 8000000}``.
+
+    ``bytes_copied``: bytes copied into segments for calls (each memcpy, a gappy view's
+    compact copy included); ``bytes_reused``: bytes a call sent from a copy that already
+    held them instead (an earlier call's, or an earlier view's of the same pass);
+    ``bytes_by_reference``: per call, the bytes of each shared view passed (at most its
+    segment's size); ``fallbacks``; ``tasks_submitted``, ``tasks_done``.
 
     Updated from the user's threads (submit), the feeder thread (the pass) and the
     manager thread (a future done): under a lock.

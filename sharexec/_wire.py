@@ -149,15 +149,18 @@ class Reply:
         released: list[str],
         token: int,
         keep: list[Any] | None = None,
+        lost: bool = False,
     ) -> None:
         self.payload = payload
         self.buffers = buffers
         self.released = released  # the argument copies the worker no longer maps
         self.token = token  # the receiver of the executor that sent the call
         self.keep = keep  # the mappings the payload refers to, held until it is sent
+        self.lost = lost  # the worker could not reach the sweeper: the root checks it
 
     def __reduce__(self) -> Any:
-        return load_result, (self.payload, self.buffers, self.released, self.token)
+        args = (self.payload, self.buffers, self.released, self.token)
+        return load_result, (*args, True) if self.lost else args
 
 
 class Receiver(Protocol):
@@ -190,10 +193,18 @@ def register(token: int, receiver: Receiver) -> None:
     _receivers[token] = receiver
 
 
-def load_result(payload: bytes, buffers: list[BufferRef], released: list[str], token: int) -> Any:
+def load_result(
+    payload: bytes,
+    buffers: list[BufferRef],
+    released: list[str],
+    token: int,
+    lost: bool = False,
+) -> Any:
     """Rebuild a result in the parent over its segments, which become the parent's.
 
-    Each segment goes to the receiver registered for ``token``.
+    Each segment goes to the receiver registered for ``token``. ``lost``: the worker
+    could not reach the sweeper, which the root then restarts if it is gone (once the
+    result's segments are the parent's, so that the new sweeper hears of them).
 
     This runs in loky's manager thread, where an exception would break the whole pool
     (as the standard library's does): a failure is returned instead, for the executor's
@@ -217,6 +228,9 @@ def load_result(payload: bytes, buffers: list[BufferRef], released: list[str], t
             if name not in received:  # whatever was not received yet goes too
                 receiver.discard(name)
         return RebuildFailure(exc)
+    finally:
+        if lost:
+            _tracking.check_sweeper()
     sizes: dict[str, int] = {}
     for name, _, offset, length in buffers:
         sizes[name] = max(sizes.get(name, 0), offset + length)

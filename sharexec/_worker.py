@@ -40,16 +40,18 @@ from ._segments import Mapping
 from ._wire import BufferRef, Pickler, Reply, is_plain, loads
 from .errors import SegmentError
 
-__all__ = ["KeptMappings", "kept", "load_call", "run", "run_initializer"]
+__all__ = ["KeptMappings", "kept", "load_call", "run", "run_chunk", "run_initializer"]
 
 
-def run_initializer(parent_pid: int, call: Any) -> None:
-    """Set up a new worker: it dies with its parent; then the user's initializer, if any.
+def run_initializer(parent_pid: int, call: Any, sweeper: _tracking.SweeperAddress) -> None:
+    """Set up a new worker: it dies with its parent, and what it creates is the session's
+    sweeper's to sweep; then the user's initializer, if any.
 
     ``call`` is None, the initializer's ``_transport.Task`` itself (fork: inherited, not
     pickled), or what that task's reduction rebuilt: ``[(fn, args, kwargs), options, ...]``.
     """
     _tracking.watch_parent(parent_pid)
+    sweeper.join()
     _loky.count_private_memory_only()
     if call is None:
         return
@@ -76,24 +78,44 @@ def load_call(
     ``lent``: the warm segments the parent lent for the result, (name, size);
     ``context``: what the executor tells each call, pickled once (see :func:`_context`).
     """
-    options, sweeper, token = _context(context)
-    _tracking.join_sweeper(sweeper)  # segments this worker creates are the root's to sweep
+    options, (sweeper, generation), token = _context(context)
+    # Segments this worker creates are the root's sweeper's to sweep: a new one if the
+    # root started one again.
+    _tracking.join_sweeper(sweeper, generation)
     holders: dict[str, Any] = {}
     kept.drop_unlinked()
-    with _tracking.attached_shared() as shared:
-        call = loads(payload, buffers, kept.hold_copy, holders)
+    try:
+        with _tracking.attached_shared() as shared:
+            call = loads(payload, buffers, kept.hold_copy, holders)
+    except Exception as exc:
+        # This runs while loky unpickles the call item, where an exception breaks the
+        # whole pool (as the standard library's does: its worker dies). The call item
+        # unpickles instead, and run() raises the error: only this call's future fails,
+        # with the worker's traceback of the failure.
+        return _Unloadable(exc)
     if shared:
         kept.keep_shared(shared)
     # A list, so that run() can empty it: loky's call item holds it during the call.
     return [call, options, [(n, weakref.ref(h)) for n, h in holders.items()], (token, lent)]
 
 
-# The contexts of the calls this worker received, by their pickle (one per executor).
-_contexts: dict[bytes, tuple[Options, bytes, int]] = {}
+class _Unloadable:
+    """A call whose arguments failed to rebuild here (an array subclass whose
+    ``__array_finalize__`` raises, a class missing in the worker): :func:`run` raises
+    ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error: Exception | None = error
 
 
-def _context(blob: bytes) -> tuple[Options, bytes, int]:
-    """The executor's options, its sweeper's address and its results' token."""
+# The contexts of the calls this worker received, by their pickle (one per executor, and
+# per sweeper it started).
+_contexts: dict[bytes, tuple[Options, tuple[bytes, int], int]] = {}
+
+
+def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
+    """The executor's options, its sweeper's address and generation, and its results'
+    token."""
     found = _contexts.get(blob)
     if found is None:
         if len(_contexts) >= 8:
@@ -116,6 +138,11 @@ def run(call: Any) -> Any:
     * anything else: the backward pass of :mod:`sharexec._reduction` (which imports
       NumPy), where large buffers go to segments handed to the parent.
     """
+    if type(call) is _Unloadable:
+        error, call.error = call.error, None  # loky's call item holds the call meanwhile
+        assert error is not None
+        _raise_picklable(error)
+        raise error  # with its traceback from load_call
     (fn, args, kwargs), options, mapped, (token, lent) = call
     call.clear()
     try:
@@ -129,18 +156,25 @@ def run(call: Any) -> Any:
     released = [name for name, ref in mapped if ref() is None]
     if mapped:
         kept.after_task(released)
+    lost = _tracking.sweeper_lost()  # the root restarts the sweeper if it is gone
     if is_plain(result):
-        if not mapped:  # nothing to tell the parent but the value
+        if not mapped and not lost:  # nothing to tell the parent but the value
             return result
-        return Reply(pickle.dumps(result, protocol=5), [], released, token)
+        return Reply(pickle.dumps(result, protocol=5), [], released, token, lost=lost)
     if "numpy" not in sys.modules:
         payload = _dumps_in_band(result, options)
         if payload is not None:
-            return Reply(payload, [], released, token)
+            return Reply(payload, [], released, token, lost=_tracking.sweeper_lost())
     from ._reduction import BackwardSink, dumps  # NumPy is needed (or loaded already)
 
     packed = dumps(result, BackwardSink(options, lent, kept.attach_lent))
-    return Reply(packed.payload, packed.buffers, released, token, packed.keep)
+    lost = _tracking.sweeper_lost()  # the pass may have created segments
+    return Reply(packed.payload, packed.buffers, released, token, packed.keep, lost)
+
+
+def run_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:
+    """Run ``fn`` over a chunk of ``map``'s calls, in order (``map(chunksize=...)``)."""
+    return [fn(*args) for args in chunk]
 
 
 def _dumps_in_band(result: Any, options: Options) -> bytes | None:

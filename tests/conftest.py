@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import multiprocessing
 import os
+import shutil
+import sys
+import tempfile
+import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import faults_plugin
 import pytest
@@ -15,9 +21,74 @@ from sharexec import _segments
 
 START_METHODS = ["spawn", "fork", "forkserver", "loky"]
 
+# See session_site/sharexec_test_members.py: every Python process this session starts
+# records itself there as it starts, so that a segment whose creator is dead can be told
+# to be this session's (a killed worker's) or another program's on the machine.
+SESSION_SITE = Path(__file__).parent / "session_site"
+
+
+def _members_module() -> types.ModuleType:
+    """The recorder: the one this process's sitecustomize loaded, if it did (a session run
+    inside another), else loaded from its file (it is not on sys.path here)."""
+    loaded = sys.modules.get("sharexec_test_members")
+    if loaded is not None:
+        return loaded
+    spec = importlib.util.spec_from_file_location(
+        "sharexec_test_members", SESSION_SITE / "sharexec_test_members.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["sharexec_test_members"] = module
+    return module
+
+
+members_module = _members_module()
+_members_file: str | None = None  # this session's, e.g. "/tmp/pytest-sharexec-x1/members"
+
 
 def pytest_configure(config: pytest.Config) -> None:
     faults_plugin.register(config)  # only with SHAREXEC_FAULTS_REPORT set (nox -s faults)
+    _start_recording_members()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _members_file
+    if _members_file is not None:
+        shutil.rmtree(os.path.dirname(_members_file), ignore_errors=True)
+        _members_file = None
+        for name, value in _environ_before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# The variables _start_recording_members changed, as they were before, e.g.
+# {"PYTHONPATH": None, "PYTEST_SHAREXEC_MEMBERS": None}.
+_environ_before: dict[str, str | None] = {}
+
+
+def _start_recording_members() -> None:
+    """Name this session's members file in the environment its processes inherit, with
+    the recording sitecustomize first on their PYTHONPATH; record this process."""
+    global _members_file
+    if _members_file is not None:
+        return
+    folder = tempfile.mkdtemp(prefix="pytest-sharexec-members-")
+    _members_file = os.path.join(folder, "members")
+    env = members_module.ENV
+    for name in (env, "PYTHONPATH"):
+        _environ_before[name] = os.environ.get(name)
+    os.environ[env] = os.pathsep.join(filter(None, [os.environ.get(env), _members_file]))
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SESSION_SITE), path]))
+    members_module.install()
+
+
+def session_members() -> dict[int, set[int | None]]:
+    """The processes this session started so far (live or not): {pid: {start times}}."""
+    return members_module.members(_members_file) if _members_file else {}
 
 
 # Helper processes that outlive a pool by design (one of each per test session).
@@ -55,18 +126,36 @@ def workers_left() -> dict[int, str]:
     return {p: cmd for p, cmd in descendants().items() if not any(h in cmd for h in _HELPERS)}
 
 
-def segments_now() -> set[str]:
-    """The sharexec segments that exist now, less those of unrelated live processes.
+def creator(name: str) -> int | None:
+    """The pid in a segment's name (``sharexec-<pid>-<random>``), None if there is none."""
+    pid = name.split("-")[1] if name.count("-") >= 2 else ""
+    return int(pid) if pid.isdigit() else None
 
-    A segment's name carries its creator's pid: one made by a live process that is neither
-    this one nor a descendant belongs to someone else on the machine (another test run).
+
+def segments_now() -> set[str]:
+    """The sharexec segments that exist now and that this test session made.
+
+    A segment's name carries its creator's pid. The creator is this session's if it is
+    this process or a live descendant, or if it was recorded as one of the session's
+    processes when it started (see ``session_members``): then it may be dead (a killed
+    worker, a worker whose results this process adopted), and if alive it must be the
+    same process (its start time), not another one that got its pid since. Segments of
+    other programs on the machine (another checkout's tests, a user's job), dead or
+    alive, are never counted.
     """
     ours = {os.getpid(), *descendants()}
+    members = session_members()
     names = set()
     for name in _segments.listdir():
-        pid = int(name.split("-")[1])
-        if pid in ours or not os.path.exists(f"/proc/{pid}"):
+        pid = creator(name)
+        if pid is None:
+            continue
+        if pid in ours:
             names.add(name)
+        elif pid in members:
+            started = members_module.start_time(pid)
+            if started is None or started in members[pid]:
+                names.add(name)
     return names
 
 

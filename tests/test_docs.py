@@ -2,13 +2,16 @@
 
 The API reference (``docs/api.rst``) lists exactly the names of ``sharexec.__all__``, each
 once; every page named in a toctree exists; every example has the title sphinx-gallery
-needs. ``nox -s docs`` builds the site itself, with warnings as errors.
+needs; every ``>>>`` example of a page runs and prints what the page says. ``nox -s docs``
+builds the site itself, with warnings as errors.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,100 @@ def test_example_has_a_gallery_title(path):
         f"{path.name}: the docstring must open with a title underlined with '='"
     )
     assert len(underline.strip()) >= len(title.strip()), f"{path.name}: underline too short"
+
+
+DOCTEST_PAGES = sorted(p for p in DOCS.rglob("*.md") if ">>> " in p.read_text(encoding="utf-8"))
+
+
+def test_some_pages_have_doctests():
+    assert DOCS / "how-it-works.md" in DOCTEST_PAGES  # the worked example of statistics()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("page", DOCTEST_PAGES, ids=lambda p: p.relative_to(DOCS).as_posix())
+def test_doctests_of_the_docs_pass(page, no_leaks):
+    """Every ``>>>`` example of a page runs, in a fresh interpreter (counts of segments
+    and of calls are the process's own), and prints what the page says it prints."""
+    code = (
+        "import doctest, sys\n"
+        f"result = doctest.testfile({str(page)!r}, module_relative=False)\n"
+        "print(result.attempted, result.failed)\n"
+        "sys.exit(1 if result.failed or not result.attempted else 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_readme_states_the_constants_as_the_code_has_them():
+    from sharexec import _config, _demo
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert _config.DEFAULT_MIN_SHARE_BYTES == 256 << 10 and "from 256 KiB" in readme
+    assert _config.WARM_BYTES == 1 << 30 and "at most 1 GiB" in readme
+    assert f"freed after {_config.WARM_IDLE_SECONDS:g} s unused" in readme
+    peak = _demo._gib(_demo.peak_bytes(_demo.DEFAULT_SIZE_MB))
+    assert f"about {peak} of memory at its peak" in readme
+    assert f"({_demo.PEAK_FACTOR:g} times the array" in readme
+
+
+def test_the_pool_takes_at_most_a_quarter_of_shared_memory(monkeypatch):
+    import shutil
+
+    from sharexec import _transport
+
+    usage = shutil.disk_usage(_transport._segments.SHM_FOLDER)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(total=64_000_000))
+    assert _transport._pool_limit() == 16_000_000  # Docker's default /dev/shm: 16 MB
+
+
+def test_every_benchmark_figure_comes_from_the_committed_run():
+    """The figures of every page are rendered from docs/bench-results.json (one run of
+    bench/run.py) by bench/render.py, and agree with it: they cannot drift apart."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import render
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    run = render.load()
+    assert run.rows, "docs/bench-results.json holds no measurement"
+    for page in render.PAGES:
+        text = page.read_text(encoding="utf-8")
+        names = {m["name"] for m in render.BLOCK.finditer(text)}
+        assert names, f"{page.relative_to(ROOT)} has no rendered block"
+        assert names <= set(render.BLOCKS), names - set(render.BLOCKS)
+    assert render.stale(run) == [], "run python bench/render.py"
+
+
+def test_the_docs_stand_alone():
+    """No page refers to what is not in the repository (the project's design contract)."""
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        for pattern in (r"DESIGN\.md", r"design contract", r"\bD[1-9]\b"):
+            assert not re.search(pattern, text), f"{page.relative_to(DOCS)}: {pattern}"
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_counts_the_slow_tests_it_deselects():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stated = re.search(r"The (\d+)\s+deselected are the slow tests", readme)
+    assert stated, "README.md: how many slow tests the default run deselects"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            "slow",
+            "-p",
+            "no:cacheprovider",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
+    )
+    collected = re.search(r"(\d+)/\d+ tests collected", out.stdout)
+    assert collected, out.stdout + out.stderr
+    assert collected[1] == stated[1], "update README.md's count of slow tests"

@@ -77,3 +77,29 @@ class _UnpicklableError(Exception):
 
 def _raise_unpicklable():
     raise _UnpicklableError()
+
+
+class _FailsInWorkers(np.ndarray):
+    """An array subclass that pickles in the parent (``parent``) and fails to rebuild in
+    any other process."""
+
+    parent = 0
+
+    def __array_finalize__(self, obj):
+        if os.getpid() != _FailsInWorkers.parent:
+            raise ValueError("this array cannot be rebuilt in a worker")
+
+
+def test_argument_that_fails_to_rebuild_fails_only_its_future(executor):
+    _FailsInWorkers.parent = os.getpid()  # before the first submit: forked workers too
+    before = executor.submit(workers.total, np.ones(300_000))
+    bad = executor.submit(
+        workers.identity, (np.ones(300_000), np.ones(300_000).view(_FailsInWorkers))
+    )
+    after = executor.submit(workers.total, np.ones(300_000))
+    with pytest.raises(ValueError, match="cannot be rebuilt in a worker") as info:
+        bad.result()
+    assert "__array_finalize__" in str(info.value.__cause__)  # the worker's traceback
+    # the pool is not broken, and the copy of the large argument was not leaked (teardown)
+    assert before.result() == after.result() == 300_000.0
+    assert executor.submit(workers.total, np.ones(300_000)).result() == 300_000.0

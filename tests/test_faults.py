@@ -377,7 +377,8 @@ def test_a_dead_sweeper_fails_nothing(start_method, tmp_path):
 
 def test_a_sweeper_out_of_reach_is_tried_again(no_leaks):
     """A process that cannot connect to the sweeper tells it nothing and raises nothing,
-    and tries again at its next segment: a failed connection is not kept."""
+    and tries again at its next segment: a failed connection is not kept. Its new line
+    starts with what it still owns (the first segment), then the second."""
     code = textwrap.dedent(
         """
         import os, socket
@@ -391,17 +392,18 @@ def test_a_sweeper_out_of_reach_is_tried_again(no_leaks):
         listener.listen(1)
         second = _tracking.new_private(4096)
         conn, _ = listener.accept()
+        expected = f"R {first.name}\\nR {second.name}\\n"
         heard = b""
-        while not heard.endswith(b"\\n"):
+        while len(heard) < len(expected):
             heard += conn.recv(4096)
         print(repr(heard.decode()))
-        print(repr(f"R {second.name}\\n"))
+        print(repr(expected))
         """
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     heard, expected = (ast.literal_eval(line) for line in done.stdout.splitlines())
-    assert heard == expected  # the second segment, told on a new connection; not the first
+    assert heard == expected  # on the new connection: what it owns, then the second
 
 
 def test_a_forked_child_does_not_keep_the_sweeper_waiting(tmp_path):
@@ -549,3 +551,237 @@ def test_no_room_anywhere_falls_back_to_pickling(start_method, tmp_path):
     assert "exact True" in out.stdout
     assert "warnings 1" in out.stdout, out.stdout
     assert_none_left(left_in(out.stdout))
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 17: the faults a long-running program meets
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("notices", ["root", "worker"])
+def test_a_killed_sweeper_is_restarted_and_the_crash_sweep_holds(start_method, tmp_path, notices):
+    """The sweeper is killed (as a program's cleanup of its children would). Whoever
+    notices first (the root, creating a segment; or a worker, whose result tells the
+    root) has the root start a new one, told of everything still owned; nothing fails
+    meanwhile, and a SIGKILL of the parent afterwards still leaves nothing."""
+    os.mkfifo(tmp_path / "started")
+    os.mkfifo(tmp_path / "go")
+    proc = run_scenario(
+        tmp_path,
+        f"""
+        def make(n):
+            mine = sharexec.full(n, 2.0)  # the worker's own segment: it must tell the sweeper
+            return float(mine.sum())
+
+        def hold(a):
+            mine = sharexec.full(300_000, 2.0)
+            started()
+            return a * 2, mine
+
+        if __name__ == "__main__":
+            keep = sharexec.zeros(300_000)  # the sweeper starts
+            ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
+            assert ex.submit(make, 10).result() == 20.0  # the workers are up, connected
+            first = _tracking._channel.sweeper_pid
+            os.kill(first, signal.SIGKILL)
+            os.waitpid(first, 0)
+            if {notices!r} == "root":
+                more = sharexec.ones(300_000)  # the root's line is broken: it restarts it
+                assert _tracking._channel.sweeper_pid != first
+            # workers whose lines broke: their results tell the root (if it did not notice)
+            sums = [ex.submit(make, 300_000).result() for _ in range(4)]
+            second = _tracking._channel.sweeper_pid
+            print("restarted", second not in (0, first), sums == [600_000.0] * 4, flush=True)
+            futures = [ex.submit(hold, np.ones(1_000_000)) for _ in range(4)]
+            announce_sweeper()
+            for fut in futures:
+                fut.result()
+        """,
+        start_method,
+    )
+    with open(tmp_path / "started") as started:
+        assert started.read(1) == "x"  # a task runs, holding its segments
+    assert proc.stdout.readline().split() == ["restarted", "True", "True"]
+    sweeper = int(proc.stdout.readline().split()[1])
+    kin = family(proc)
+    assert sweeper in kin
+    assert len(segments_now() - _before[proc.pid]) >= 4, "the scenario should hold segments"
+    proc.kill()
+    proc.wait(10)
+    outlived = wait_exit(kin, 5.0)
+    if outlived:
+        faults_plugin.crashed("processes outlived the parent by 5 s")
+    assert not outlived, "processes outlived the parent by 5 s"
+    assert_none_left(left_by(proc))
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def test_a_frozen_worker_is_ended_once_the_parent_is_gone(start_method, tmp_path):
+    """Workers stopped with SIGSTOP cannot run their parent watch: once the parent is
+    killed, the sweeper kills them after its grace period (here 2 s), then sweeps."""
+    os.mkfifo(tmp_path / "started")
+    os.mkfifo(tmp_path / "go")
+    proc = run_scenario(
+        tmp_path,
+        """
+        from sharexec import _sweeper
+
+        def hold(a):
+            mine = sharexec.full(300_000, 2.0)
+            started()
+            return a * 2, mine
+
+        if __name__ == "__main__":
+            _sweeper.WAIT_FOR_MEMBERS = 2.0  # read when the sweeper starts
+            ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
+            assert ex.submit(abs, -1).result() == 1
+            print("workers", *ex._processes, flush=True)
+            futures = [ex.submit(hold, np.ones(1_000_000)) for _ in range(4)]
+            announce_sweeper()
+            for fut in futures:
+                fut.result()
+        """,
+        start_method,
+    )
+    with open(tmp_path / "started") as started:
+        assert started.read(1) == "x"
+    workers = [int(pid) for pid in proc.stdout.readline().split()[1:]]
+    sweeper = int(proc.stdout.readline().split()[1])
+    assert len(workers) == 2 and sweeper
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    proc.kill()
+    proc.wait(10)
+    outlived = wait_exit([*workers, sweeper], 2.0 + 15.0)
+    if outlived:
+        faults_plugin.crashed("stopped workers outlived the parent")
+    for pid in outlived:  # do not leave them stopped for ever
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not outlived, f"outlived the parent and the sweeper's grace: {outlived}"
+    assert_none_left(left_by(proc))
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def test_kept_results_hold_no_file_descriptor(start_method, tmp_path):
+    """With a soft limit of 256 open files, 600 results of 512 KiB and 300 shared arrays
+    stay alive at once; the pool stays within its count after a call of 400 buffers."""
+    proc = run_scenario(
+        tmp_path,
+        """
+        import resource
+        from sharexec._config import WARM_SEGMENTS
+
+        def fds():
+            return len(os.listdir("/proc/self/fd"))
+
+        if __name__ == "__main__":
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+            with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+                assert ex.submit(abs, -1).result() == 1
+                before = fds()
+                futures = [ex.submit(np.full, 65_536, float(i)) for i in range(600)]
+                results = [fut.result() for fut in futures]  # 512 KiB each, kept
+                shared = [sharexec.full(65_536, float(i)) for i in range(300)]
+                print("exact", all(r[0] == r[-1] == i for i, r in enumerate(results))
+                      and all(a[0] == i for i, a in enumerate(shared)))
+                print("descriptors", fds() - before <= 8)
+                many = [np.full(32_768, float(i)) for i in range(400)]  # 256 KiB each
+                assert ex.submit(len, many).result() == 400
+                print("pooled", len(ex._transport.pool) <= WARM_SEGMENTS)
+        """,
+        start_method,
+    )
+    out = finish(proc)
+    assert "exact True" in out
+    assert "descriptors True" in out
+    assert "pooled True" in out
+    assert_none_left(left_by(proc))
+
+
+def test_out_of_descriptors_falls_back_to_pickling(start_method, tmp_path):
+    """A program that uses every file descriptor it may: a large argument is pickled
+    instead of shared, exact, with one warning that names the limit."""
+    proc = run_scenario(
+        tmp_path,
+        """
+        import resource
+        import warnings
+
+        if __name__ == "__main__":
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))  # quick to fill
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+                    assert ex.submit(np.sum, np.ones(300_000)).result() == 300_000  # warm
+                    filler = []
+                    try:
+                        while True:
+                            filler.append(os.open("/dev/null", os.O_RDONLY))
+                    except OSError:
+                        pass
+                    try:  # no descriptor left for a segment (nor a file to spill to)
+                        total = ex.submit(np.sum, np.full(1_000_000, 2.0)).result()
+                    finally:
+                        for fd in filler:
+                            os.close(fd)
+                    print("exact", total == 2_000_000.0)
+            messages = [str(w.message) for w in caught
+                        if issubclass(w.category, sharexec.SharexecWarning)]
+            print("warnings", len(messages))
+            print("names the limit", all("open files" in m for m in messages))
+        """,
+        start_method,
+    )
+    out = finish(proc)
+    assert "exact True" in out
+    assert "warnings 1" in out, out
+    assert "names the limit True" in out, out
+    assert_none_left(left_by(proc))
+
+
+def test_shutdown_without_waiting_keeps_no_copy(start_method, no_leaks):
+    """``shutdown(wait=False)`` while tasks with large arguments run or wait: the pool is
+    emptied at once, and once the tasks are done no copy of theirs (nor of the
+    initializer's argument) is left in /dev/shm, while the executor object lives on (the
+    closed pool refuses what comes back)."""
+    import gc
+    from multiprocessing import get_context
+
+    import numpy as np
+    import workers
+
+    before = segments_now()
+    ex = sharexec.SharedProcessPoolExecutor(
+        2,
+        mp_context=start_method,
+        initializer=workers.hold_nothing,  # its large argument is copied for each worker
+        initargs=(np.ones(300_000),),
+    )
+    try:
+        with get_context("spawn").Manager() as manager:
+            started, go = manager.Event(), manager.Event()
+            assert ex.submit(workers.total, np.ones(400_000)).result() == 400_000
+            assert ex._transport.pooled(), "the finished task's copy should be pooled"
+            running = [
+                ex.submit(workers.wait_then_read, np.full(500_000, float(i)), started, go)
+                for i in range(4)
+            ]
+            assert started.wait(60)
+            # loky forgets its manager thread at any shutdown: a later shutdown(wait=True)
+            # would not wait for the workers, so the test joins it (it joins them).
+            manager_thread = ex._executor_manager_thread
+            ex.shutdown(wait=False)
+            assert not ex._transport.pooled()
+            go.set()
+            assert [fut.result(60) for fut in running] == [0.0, 1.0, 2.0, 3.0]
+        gc.collect()
+        assert ex._transport.pooled() == []
+        assert_none_left(segments_now() - before)
+        manager_thread.join(60)
+    finally:
+        ex.shutdown(wait=True)

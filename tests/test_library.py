@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -110,7 +111,9 @@ def test_segments_are_logged_and_nothing_printed(executor, caplog, capsys):
 
 def test_doctor_reports_and_cleans_stale_segments(no_leaks):
     stale = "sharexec-4194304-doctortest01"  # no such pid: above Linux's pid_max default
-    _segments.create(4096, stale)
+    _segments.create(4096, stale).close()
+    hour_ago = time.time() - 3600  # unchanged for long: not a segment in flight
+    os.utime(os.path.join(_segments.SHM_FOLDER, stale), (hour_ago, hour_ago))
     try:
         run = subprocess.run(
             [sys.executable, "-m", "sharexec", "doctor"],
@@ -132,3 +135,22 @@ def test_doctor_reports_and_cleans_stale_segments(no_leaks):
         assert stale not in _segments.listdir()
     finally:
         _segments.unlink(stale)
+
+
+def test_doctor_never_calls_stale_what_may_still_be_used(no_leaks):
+    """A dead creator is not enough: another program on the machine may still use the
+    segment (a parent holding a result its dead worker made), or hand it over now."""
+    from sharexec._doctor import stale_segments
+
+    recent = "sharexec-4194304-doctortest02"  # just made: may be in flight
+    mapped = _segments.create(4096, "sharexec-4194304-doctortest03")  # a live process maps it
+    _segments.create(4096, recent).close()
+    hour_ago = time.time() - 3600
+    os.utime(os.path.join(_segments.SHM_FOLDER, mapped.name), (hour_ago, hour_ago))
+    try:
+        names = {name for name, _ in stale_segments()}
+        assert recent not in names and mapped.name not in names
+    finally:
+        _segments.unlink(recent)
+        _segments.unlink(mapped.name)
+        mapped.close()

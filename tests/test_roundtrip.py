@@ -177,14 +177,16 @@ def test_nested_in_containers_and_objects_both_ways(executor):
         rc.random_array("<m8[s]", 3, seed=4),
         np.zeros((0, 4), ">c16"),
     ]
-    tree = rc.deep(rc.Record(np.datetime64("NaT"), {"arrays": arrays, "again": arrays[0]}))
+    # NaT with an explicit unit: a unitless np.datetime64("NaT") is deprecated (numpy 2.5).
+    nat = np.datetime64("NaT", "ns")
+    tree = rc.deep(rc.Record(nat, {"arrays": arrays, "again": arrays[0]}))
     got_tree, arrived = executor.submit(rc.where_nested, tree).result()
     assert arrived == [True, True, True, True, False, False]
     got = rc.undeep(got_tree)
     assert got.where["again"] is got.where["arrays"][0]  # identity kept, as pickle keeps it
     for g, w in zip(got.where["arrays"], arrays, strict=True):
         assert_round_trip(g, w)
-    assert np.isnat(got.when)
+    assert np.isnat(got.when) and got.when.dtype == nat.dtype
 
     def as_kwargs(*, first, rest):
         return {"first": first, "rest": rest}
@@ -457,6 +459,23 @@ class TestRoundTripProperty:
         assert workers.in_segment(got) == shared, "came back through a segment"
         assert_exact(a, before)  # the parent's array is untouched
         assert a.flags.writeable == writeable
+
+
+def test_many_buffers_in_one_call(start_method, no_leaks):
+    """One call with 20,000 small arrays, each shared (min_share_bytes of 2 KiB), and
+    views of them inside the bytes already copied: every one comes back exact. The pass
+    stays linear in its buffers (it was quadratic: bench/many_buffers.py)."""
+    rng = np.random.default_rng(17)
+    arrays = list(rng.random((20_000, 512)))  # rows of 4 KiB
+    views = [a[10:500] for a in arrays[::1000]]  # inside copied bytes: sent from them
+    with sharexec.SharedProcessPoolExecutor(
+        2, mp_context=start_method, min_share_bytes=2048
+    ) as ex:
+        sums = ex.submit(workers.sums, arrays + views).result()
+        stats = ex.statistics()
+    np.testing.assert_array_equal(sums, [a.sum() for a in arrays + views])
+    assert stats.bytes_copied == 20_000 * 4096
+    assert stats.bytes_reused == len(views) * 490 * 8
 
 
 # ---------------------------------------------------------------------------------------

@@ -258,7 +258,7 @@ def unix_sockets() -> dict[int, str]:
 
 
 def test_sweeper_socket_is_abstract(no_leaks):
-    address = _tracking.sweeper_address()  # this process's sweeper, started if need be
+    address, _ = _tracking.sweeper_address()  # this process's sweeper, started if need be
     assert address.startswith(b"\0"), address  # the abstract namespace: no file
     assert re.fullmatch(rb"\0sharexec-sweeper-[0-9a-f]{24}", address), address  # 96 bits
     sweeper = _tracking._channel.sweeper_pid
@@ -290,7 +290,7 @@ def _connect_as_nobody_and_claim(address: bytes, path: str) -> int:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing user needs root")
 def test_sweeper_ignores_other_users(no_leaks, tmp_path):
-    address = _tracking.sweeper_address()
+    address, _ = _tracking.sweeper_address()
     assert "@" + address[1:].decode() in unix_sockets().values()  # anyone can read it
     private = tmp_path / "private"
     private.mkdir(mode=0o700)  # nobody cannot even look in here

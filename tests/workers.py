@@ -36,6 +36,10 @@ def total(a: np.ndarray) -> float:
     return float(a.sum())
 
 
+def sums(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.array([a.sum() for a in arrays])
+
+
 def write_and_sum(a: np.ndarray) -> float:
     """Writes into its (private) argument, then reads it back."""
     a[...] = 7
@@ -198,6 +202,19 @@ def shared_mapped() -> list[str]:
     from sharexec import _tracking
 
     return sorted(_tracking._registry.by_name)
+
+
+def inverse(x: float) -> float:
+    return 1.0 / x
+
+
+def add(x: Any, y: Any) -> Any:
+    return x + y
+
+
+def wait_for(event: Any) -> bool:
+    """Block until ``event`` (a Manager's Event) is set."""
+    return bool(event.wait(120))
 
 
 class Marked:

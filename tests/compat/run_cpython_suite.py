@@ -1,12 +1,17 @@
-"""Run CPython 3.11's own ProcessPoolExecutor tests against SharedProcessPoolExecutor.
+"""Run CPython 3.11's and 3.13's ProcessPoolExecutor tests against SharedProcessPoolExecutor.
 
 The yardstick of DESIGN.md D2: CPython's ``test_concurrent_futures``, run with
 :class:`sharexec.SharedProcessPoolExecutor` in place of
 :class:`concurrent.futures.ProcessPoolExecutor`, passes every test of public behaviour.
-This is a plain script (``nox -s compat`` runs it), not a pytest module.
+This is a plain script (``nox -s compat`` runs it, under Python 3.11 and under 3.13), not
+a pytest module. The suite run is the running Python's own: 3.11's, a single module, or
+3.13's, a package since 3.12 (``test_process_pool``, ``test_shutdown``, ``test_wait``...).
 
 Where the test code comes from
-    Never from this repository. At run time, Debian's ``libpython3.11-testsuite`` package
+    Never from this repository. Python 3.13 (and any Python from 3.12 on that ships its
+    test suite, as pyenv's builds do): the package ``test.test_concurrent_futures`` of
+    the running interpreter, imported where the interpreter has it, with its own
+    ``test.support``. Python 3.11: at run time, Debian's ``libpython3.11-testsuite`` package
     (``apt-get download``, then ``dpkg -x``) gives ``test_concurrent_futures.py``; when the
     running Python lacks a complete ``test.support``, ``libpython3.11-stdlib`` gives that.
     Both are unpacked once under ``.cache/cpython-tests/`` (git-ignored). ``--test-file``
@@ -15,10 +20,11 @@ Where the test code comes from
     scripts) is an overlay, ``.cache/cpython-tests/overlay/test``, whose ``__path__`` is
     that file's folder followed by the folder of a complete ``test.support``.
 
-How our class takes the stdlib's place, inside the loaded test module only
+How our class takes the stdlib's place, inside the loaded test modules only
     - ``ProcessPool{Fork,Forkserver,Spawn}Mixin.executor_type`` become our class: every
-      ``self.executor`` and ``self.executor_type(...)`` of the process-pool tests;
-    - the module's global ``futures`` (``concurrent.futures``) becomes a view of that
+      ``self.executor`` and ``self.executor_type(...)`` of the process-pool tests (the
+      mixins live in the 3.11 module itself, in ``util`` of the 3.13 package);
+    - each module's global ``futures`` (``concurrent.futures``) becomes a view of that
       package whose ``ProcessPoolExecutor`` is ours, for the tests that name the class;
     - the scripts that tests run in a fresh interpreter (``assert_python_ok``) import our
       class ``from sharexec`` where they import it ``from concurrent.futures``.
@@ -28,7 +34,9 @@ Isolation and time
     Each test class (one per start method) runs in a child process of its own session,
     one test at a time under ``faulthandler.dump_traceback_later(timeout, exit=True)``: a
     test that hangs is dumped, counted as an error, and its class goes on in a new child
-    from the next test. Whatever a child leaves behind in its process group is killed and
+    from the next test (as it does when a child dies between two tests). As regrtest
+    does, a test that leaves ``sys.stdout`` or ``sys.stderr`` replaced has them put back
+    before the next one. Whatever a child leaves behind in its process group is killed and
     reported. Once the run's budget is spent no test is started: the rest count as errors.
 
 Public and private
@@ -46,6 +54,7 @@ Usage::
     python tests/compat/run_cpython_suite.py                  # all of it, a few minutes
     python tests/compat/run_cpython_suite.py -k test_traceback --start-method spawn
     python tests/compat/run_cpython_suite.py ProcessPoolForkProcessPoolExecutorTest.test_map
+    python3.13 tests/compat/run_cpython_suite.py test_process_pool  # one module of 3.13's
     python tests/compat/run_cpython_suite.py --list           # tests and their category
     python tests/compat/run_cpython_suite.py --stdlib         # control run: the stdlib's class
     python tests/compat/run_cpython_suite.py --alias-private  # do private tests hide failures?
@@ -77,7 +86,11 @@ SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[2]
 DEFAULT_CACHE = ROOT / ".cache" / "cpython-tests"
 SUITE = "test.test_concurrent_futures"
-PYTHON = (3, 11)
+# The Pythons whose suite this runs: 3.11's, a module fetched from Debian, and, from 3.12 on,
+# the package the running interpreter ships (expected private tests are written out for
+# 3.13's; another version runs, with notes on what differs).
+DEBIAN_PYTHON = (3, 11)
+PACKAGE_PYTHONS = (3, 12)  # and later
 TESTSUITE_PACKAGE = "libpython3.11-testsuite"  # holds test/test_concurrent_futures.py
 STDLIB_PACKAGE = "libpython3.11-stdlib"  # holds test/support/
 DEB_TEST_DIR = Path("usr/lib/python3.11/test")
@@ -127,8 +140,10 @@ __path__ = {path!r}
 
 @dataclass
 class Sources:
-    overlay: Path  # put first on sys.path: its package `test` holds the suite
-    test_file: str  # where test_concurrent_futures.py came from, for the header
+    # Put first on sys.path: its package `test` holds the suite (3.11). None: the suite is
+    # the running interpreter's own (3.12 and later), found where it ships it.
+    overlay: Path | None
+    test_file: str  # where the suite came from, for the header
     support: Path  # the folder of the complete test.support used
 
 
@@ -185,14 +200,53 @@ def _support_folder(cache: Path) -> Path:
     return cache / "stdlib" / DEB_TEST_DIR
 
 
-def prepare_sources(cache: Path, test_file: Path | None) -> Sources:
-    """Fetch what is missing into ``cache`` and (re)build the overlay package ``test``."""
-    if sys.version_info[:2] != PYTHON:
+def _own_suite(cache: Path) -> Sources:
+    """The running interpreter's own package ``test.test_concurrent_futures`` (3.12+)."""
+    probe = _run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util, test.support.script_helper as h, test.support as s; "
+            f"spec = importlib.util.find_spec({SUITE!r}); "
+            "print(spec.submodule_search_locations[0] if spec and "
+            "spec.submodule_search_locations else ''); print(s.__path__[0])",
+        ],
+        cwd=cache,
+    )
+    lines = probe.stdout.strip().splitlines()
+    if probe.returncode != 0 or len(lines) != 2 or not lines[0]:
+        version = f"{sys.version_info[0]}.{sys.version_info[1]}"
         raise SetupError(
-            f"the suite is CPython {PYTHON[0]}.{PYTHON[1]}'s; this is Python "
-            f"{sys.version.split()[0]} ({sys.executable})"
+            f"Python {sys.version.split()[0]} ({sys.executable}) does not ship the package "
+            f"{SUITE} with a complete test.support (a build without its test suite? "
+            f"Debian's is in libpython{version}-testsuite):\n{probe.stderr.strip()}"
         )
+    return Sources(
+        overlay=None,
+        test_file=f"{lines[0]} (Python {sys.version.split()[0]}'s own)",
+        support=Path(lines[1]),
+    )
+
+
+def prepare_sources(cache: Path, test_file: Path | None) -> Sources:
+    """Fetch what is missing into ``cache`` and (re)build the overlay package ``test``.
+
+    From Python 3.12 on, nothing is fetched: the suite is the interpreter's own.
+    """
+    version = sys.version_info[:2]
     cache.mkdir(parents=True, exist_ok=True)
+    if version >= PACKAGE_PYTHONS:
+        if test_file is not None:
+            raise SetupError(
+                "--test-file is for Python 3.11's single-file suite; from 3.12 on, the "
+                "suite is the running interpreter's own package"
+            )
+        return _own_suite(cache)
+    if version != DEBIAN_PYTHON:
+        raise SetupError(
+            f"the suites run are CPython 3.11's and those of 3.12 and later; this is "
+            f"Python {sys.version.split()[0]} ({sys.executable})"
+        )
     if test_file is None:
         deb = _unpack_deb(TESTSUITE_PACKAGE, cache / "testsuite", cache / "debs")
         test_file = cache / "testsuite" / DEB_TEST_DIR / "test_concurrent_futures.py"
@@ -230,19 +284,30 @@ ALIASES = {
 }
 
 
-def load_suite(overlay: Path, mode: str) -> Any:
-    """Import the suite from ``overlay``, with our class in place of the stdlib's (``mode``)."""
-    if "test" in sys.modules:
-        raise SetupError("the package `test` is already imported: the overlay cannot apply")
-    sys.path.insert(0, str(overlay))  # spawned workers inherit sys.path, hence `test` too
+def load_suite(overlay: Path | None, mode: str) -> Any:
+    """Import the suite, with our class in place of the stdlib's (``mode``).
+
+    From ``overlay`` (3.11), or from where the interpreter ships it (``None``). A package
+    suite (3.12+) has each of its modules imported, so that ``loadTestsFromName`` finds
+    ``test_shutdown.SomeTest.test_x`` under it.
+    """
+    if overlay is not None:
+        if "test" in sys.modules:
+            raise SetupError("the package `test` is already imported: the overlay cannot apply")
+        sys.path.insert(0, str(overlay))  # spawned workers inherit sys.path, hence `test` too
     import concurrent.futures
     import importlib
+    import pkgutil
     import types
 
     from test import support
 
     support.verbose = 0  # as regrtest sets it (the module's default is 1)
     module = importlib.import_module(SUITE)
+    if hasattr(module, "__path__"):
+        for info in pkgutil.iter_modules(module.__path__):
+            importlib.import_module(f"{SUITE}.{info.name}")
+    modules = suite_modules(module)
     rewrites = {}
     if mode != "stdlib":
         from sharexec import SharedProcessPoolExecutor as executor
@@ -259,40 +324,92 @@ def load_suite(overlay: Path, mode: str) -> Any:
 
         view = FuturesView("concurrent.futures")
         view.ProcessPoolExecutor = executor  # type: ignore[attr-defined]
-        module.futures = view
-        for mixin in MIXINS.values():
-            getattr(module, mixin).executor_type = executor
+        for mixin in suite_mixins(modules).values():
+            mixin.executor_type = executor
+        for each in modules:
+            if getattr(each, "futures", None) is concurrent.futures:
+                each.futures = view
         old = f"from concurrent.futures import {executor.__name__}"
         rewrites[old] = f"from {IMPORT_FROM} import {executor.__name__}"
 
-    run_script = module.assert_python_ok
     # The scripts run in isolated mode (-I): they find the overlay through this line.
-    prelude = f"import sys; sys.path.insert(0, {str(overlay)!r})\n"
+    prelude = "" if overlay is None else f"import sys; sys.path.insert(0, {str(overlay)!r})\n"
 
-    def assert_python_ok(*args: Any, **env_vars: Any) -> Any:
-        if len(args) >= 2 and args[0] == "-c":
-            code = args[1]
-            for old, new in rewrites.items():
-                code = code.replace(old, new)
-            args = ("-c", prelude + code, *args[2:])
-        return run_script(*args, **env_vars)
+    def rewritten(run_script: Any) -> Any:
+        def assert_python_ok(*args: Any, **env_vars: Any) -> Any:
+            if len(args) >= 2 and args[0] == "-c":
+                code = args[1]
+                for old, new in rewrites.items():
+                    code = code.replace(old, new)
+                args = ("-c", prelude + code, *args[2:])
+            return run_script(*args, **env_vars)
 
-    module.assert_python_ok = assert_python_ok
+        return assert_python_ok
+
+    for each in modules:
+        if hasattr(each, "assert_python_ok"):
+            each.assert_python_ok = rewritten(each.assert_python_ok)
     return module
 
 
-def process_pool_classes(module: Any) -> dict[str, tuple[str, type]]:
-    """The suite's ProcessPoolExecutor test classes: name -> (start method, class)."""
+def suite_modules(module: Any) -> list[Any]:
+    """The suite's modules: the module itself (3.11), or each module of the package."""
+    if not hasattr(module, "__path__"):
+        return [module]
+    prefix = module.__name__ + "."
+    return [m for name, m in sorted(sys.modules.items()) if name.startswith(prefix)]
+
+
+def suite_mixins(modules: list[Any]) -> dict[str, type]:
+    """Start method -> the suite's mixin for it (in the 3.11 module; in 3.13's ``util``)."""
+    found = {}
+    for method, name in MIXINS.items():
+        holders = [getattr(m, name) for m in modules if isinstance(getattr(m, name, None), type)]
+        if not holders:
+            raise SetupError(f"the suite defines no {name}")
+        found[method] = holders[0]  # the modules that import it hold the same class
+    return found
+
+
+# Tests of the process pool that are not crossed with the mixins: class -> {test: method}.
+# 3.13's FailingInitializerResourcesTest runs the spawn and forkserver variants of
+# test_initializer (one of each), then checks that the stdlib's resource tracker stops
+# with exit code 0: nothing leaked in it.
+RUN_ALSO = {
+    "test_init.FailingInitializerResourcesTest": {
+        "test_spawn": "spawn",
+        "test_forkserver": "forkserver",
+    },
+}
+
+
+def short_name(cls: type) -> str:
+    """A test class's name in test ids: ``Class`` (3.11), ``test_module.Class`` (3.12+)."""
+    module = cls.__module__
+    return cls.__qualname__ if module == SUITE else f"{module[len(SUITE) + 1 :]}.{cls.__name__}"
+
+
+def process_pool_classes(module: Any) -> dict[str, tuple[type, dict[str, str]]]:
+    """The suite's ProcessPoolExecutor test classes: name -> (class, {test: start method})."""
     import unittest
 
+    modules = suite_modules(module)
+    mixins = suite_mixins(modules)
+    loader = unittest.TestLoader()
     found = {}
-    for name, obj in sorted(vars(module).items()):
-        if not (isinstance(obj, type) and issubclass(obj, unittest.TestCase)):
-            continue
-        for method, mixin in MIXINS.items():
-            if issubclass(obj, getattr(module, mixin)):
-                found[name] = (method, obj)
-    return found
+    for each in modules:
+        for obj in vars(each).values():
+            if not (isinstance(obj, type) and issubclass(obj, unittest.TestCase)):
+                continue
+            if obj.__module__ != each.__name__:
+                continue  # imported from another module of the suite
+            name = short_name(obj)
+            for method, mixin in mixins.items():
+                if issubclass(obj, mixin):
+                    found[name] = (obj, dict.fromkeys(loader.getTestCaseNames(obj), method))
+            if name in RUN_ALSO:
+                found[name] = (obj, RUN_ALSO[name])
+    return dict(sorted(found.items()))
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,7 +423,7 @@ STDLIB_NAMES = {"futures", "futures.process", "futures._base", "futures.thread"}
 
 # What the scan finds in the 3.11 suite, written out for the reader (the scan decides; a
 # test here that the scan no longer finds, or the reverse, is reported as a note):
-EXPECTED_PRIVATE = {
+EXPECTED_PRIVATE_3_11 = {
     # Waits until `self.executor._broken` is set.
     "FailingInitializerMixin.test_initializer": "_broken",
     # Count or join the workers through `_processes`, join the `_executor_manager_thread`,
@@ -327,6 +444,20 @@ EXPECTED_PRIVATE = {
 # Not private although an underscore shows: test_cancel_futures formats `fut._state` (a
 # Future's) into an assertion message; the deadlock tests' _fail_on_deadlock reads
 # `_processes` only once a test has already failed.
+EXPECTED_PRIVATE = {
+    (3, 11): EXPECTED_PRIVATE_3_11,
+    # The same bodies (now in test_init, test_shutdown, test_process_pool, test_deadlock),
+    # and one more. Not private: FailingInitializerResourcesTest reads the private names of
+    # multiprocessing's resource tracker (`_stop()`, `_exitcode`), to check that nothing
+    # leaked in it, not of an executor.
+    (3, 13): {
+        **EXPECTED_PRIVATE_3_11,
+        # Patches `futures.process._ExecutorManagerThread.run`, the stdlib's own thread.
+        "ExecutorDeadlockTest.test_gh105829_should_not_deadlock_if_wakeup_pipe_full": (
+            "futures.process._ExecutorManagerThread"
+        ),
+    },
+}
 
 
 def private_reads(test_class: type, method: str) -> list[str]:
@@ -344,25 +475,24 @@ def private_reads(test_class: type, method: str) -> list[str]:
     return sorted(reads)
 
 
+def _overlay_args(sources: Sources) -> list[str]:
+    return [] if sources.overlay is None else ["--overlay", str(sources.overlay)]
+
+
 def discover(sources: Sources) -> list[dict[str, Any]]:
     """List the tests in a child process (so this one never imports the suite)."""
-    got = _run(
-        [sys.executable, str(SCRIPT), "--child-discover", "--overlay", str(sources.overlay)]
-    )
+    got = _run([sys.executable, str(SCRIPT), "--child-discover", *_overlay_args(sources)])
     if got.returncode != 0:
         raise SetupError(f"could not load {SUITE}:\n{got.stdout}{got.stderr}")
     tests: list[dict[str, Any]] = json.loads(got.stdout.strip().splitlines()[-1])
     return tests
 
 
-def child_discover(overlay: Path) -> None:
-    import unittest
-
+def child_discover(overlay: Path | None) -> None:
     module = load_suite(overlay, "stdlib")
-    loader = unittest.TestLoader()
     tests = []
-    for name, (method, cls) in process_pool_classes(module).items():
-        for test in loader.getTestCaseNames(cls):
+    for name, (cls, methods) in process_pool_classes(module).items():
+        for test, method in methods.items():
             tests.append(
                 {
                     "id": f"{name}.{test}",
@@ -382,13 +512,20 @@ def child_discover(overlay: Path) -> None:
 
 
 def child_run(
-    overlay: Path, mode: str, events: Path, timeout: float, deadline: float, ids: list[str]
+    overlay: Path | None, mode: str, events: Path, timeout: float, deadline: float, ids: list[str]
 ) -> None:
     import faulthandler
     import unittest
 
     module = load_suite(overlay, mode)
     out = events.open("a", buffering=1)
+    # The watchdog writes to the real stderr (the log), whatever a test does to sys.stderr:
+    # 3.11's _raise_error_ignore_stderr, unpickled in the parent by
+    # test_error_during_result_unpickle_in_result_handler, replaces it for good when the
+    # result arrives before the test's captured_stderr() begins (a race the load on the
+    # machine decides), and dump_traceback_later() then fails: sys.stderr has no fileno.
+    watchdog = sys.__stderr__
+    streams = sys.stdout, sys.stderr
 
     def emit(**event: Any) -> None:
         event["time"] = time.time()
@@ -425,12 +562,13 @@ def child_run(
             super().startTest(test)
             emit(event="start", test=self._id(test))
             # A hung test: dump every thread's traceback into the log and exit (code 1).
-            faulthandler.dump_traceback_later(timeout, exit=True)
+            faulthandler.dump_traceback_later(timeout, exit=True, file=watchdog)
 
         def stopTest(self, test: Any) -> None:
             # Until the next test starts, the same limit holds for the class and module
             # fixtures (tearDownClass, tearDownModule and its cleanups).
-            faulthandler.dump_traceback_later(timeout, exit=True)
+            faulthandler.dump_traceback_later(timeout, exit=True, file=watchdog)
+            sys.stdout, sys.stderr = streams
             super().stopTest(test)
             if time.time() > deadline:
                 self.stop()  # the run's budget is spent: start nothing more
@@ -464,7 +602,7 @@ def child_run(
     emit(event="done")
     out.close()
     # What is left (joining threads and workers, atexit hooks) has EXIT_TIMEOUT to finish.
-    faulthandler.dump_traceback_later(EXIT_TIMEOUT, exit=True)
+    faulthandler.dump_traceback_later(EXIT_TIMEOUT, exit=True, file=watchdog)
 
 
 # ---------------------------------------------------------------------------------------
@@ -556,8 +694,7 @@ class Run:
                 sys.executable,
                 str(SCRIPT),
                 "--child-run",
-                "--overlay",
-                str(self.sources.overlay),
+                *_overlay_args(self.sources),
                 "--events",
                 str(events_path),
                 "--timeout",
@@ -586,10 +723,16 @@ class Run:
                 output = log_file.read().decode(errors="replace")  # this child's
             started, finished, done = self._read_events(events_path)
             hung = [t for t in started if t not in finished]
+            rest = [t for t in pending if t not in set(started)]
             if hung:
                 self._record_hang(hung[0], child.returncode, killed, output)
             elif started and (killed or child.returncode != 0):
-                where = "at exit" if done else "in the class or module teardown"
+                if done:
+                    where = "at exit"
+                elif rest:  # between two tests: the rest goes on in a new child
+                    where = f"before its next test, {rest[0]}"
+                else:
+                    where = "in the class or module teardown"
                 if killed:
                     how = "was silent too long and was killed"
                 elif "Timeout (" in output and child.returncode == 1:
@@ -599,7 +742,6 @@ class Run:
                 self.fixture_errors.append(
                     f"{cls}: after its last test, the child {how} {where} (see {log_path})"
                 )
-            rest = [t for t in pending if t not in set(started)]
             if not started and child.returncode != 0:
                 tail = output.strip().splitlines()[-15:]
                 for test in rest:
@@ -609,9 +751,9 @@ class Run:
                         "\n".join(tail),
                     )
                 return
-            if not hung:
+            if not hung and (done or not rest):
                 return  # finished, or stopped at the deadline
-            pending = rest
+            pending = rest  # after a hang, or a child that died between two tests
 
     def _watch(self, child: subprocess.Popen[bytes], events_path: Path) -> bool:
         """Wait for ``child``; kill its group if it is silent too long. Return if killed.
@@ -708,6 +850,16 @@ def summary_table(tests: list[dict[str, Any]], results: dict[str, Outcome]) -> s
     return "\n".join(lines)
 
 
+def _names(test: dict[str, Any]) -> set[str]:
+    """What selects a test: its id, class or name; in a package, its module, or its id or
+    class without the module (``Class.test_x``)."""
+    names = {test["id"], test["cls"], test["name"]}
+    if "." in test["cls"]:
+        module, cls = test["cls"].split(".", 1)
+        names |= {module, cls, f"{cls}.{test['name']}"}
+    return names
+
+
 def select(tests: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """The tests that the positional names, -k patterns and --start-method select."""
     chosen = tests
@@ -717,7 +869,7 @@ def select(tests: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[s
         chosen = [t for t in chosen if t["start_method"] in args.start_method]
     if args.tests:
         wanted = set(args.tests)
-        chosen = [t for t in chosen if {t["id"], t["cls"], t["name"]} & wanted]
+        chosen = [t for t in chosen if _names(t) & wanted]
     if args.patterns:
 
         def matches(test_id: str, pattern: str) -> bool:
@@ -736,6 +888,7 @@ def header(sources: Sources, mode: str) -> list[str]:
         probe = _run(
             [
                 sys.executable,
+                "-I",  # the sharexec the children import: not one in the current folder
                 "-c",
                 "import loky, sharexec; print(sharexec.__version__, 'from', "
                 "sharexec.__file__, '/ loky', loky.__version__)",
@@ -763,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
         "tests",
         nargs="*",
         metavar="TEST",
-        help="a test (Class.test_name), a class, or a test name (in every class)",
+        help="a test (Class.test_name), a class, a test name (in every class), or a module",
     )
     parser.add_argument(
         "-k",
@@ -790,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--test-file",
         type=Path,
-        help="a local test_concurrent_futures.py instead of Debian's",
+        help="Python 3.11: a local test_concurrent_futures.py instead of Debian's",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -842,12 +995,15 @@ def main(argv: list[str] | None = None) -> int:
         print("run_cpython_suite: no test selected", file=sys.stderr)
         return 2
     found = {t["body"] for t in all_tests if t["private"]}
-    notes = [
+    version = sys.version_info[:2]
+    expected = EXPECTED_PRIVATE.get(version, {})
+    notes = [] if version in EXPECTED_PRIVATE else [f"note: no EXPECTED_PRIVATE for {version}"]
+    notes += [
         f"note: the scan finds {name} private, but EXPECTED_PRIVATE does not list it"
-        for name in sorted(found - set(EXPECTED_PRIVATE))
+        for name in sorted(found - set(expected))
     ] + [
         f"note: EXPECTED_PRIVATE lists {name}, but the scan finds no private read in it"
-        for name in sorted(set(EXPECTED_PRIVATE) - found)
+        for name in sorted(set(expected) - found)
     ]
     if args.list:
         for test in tests:
@@ -860,7 +1016,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in top:
         log(line)
     log(f"{len(tests)} tests, {args.timeout:g} s each at most, {args.budget:g} s in all\n")
-    logs = args.cache_dir.resolve() / "logs"
+    suffix = f"{sys.version_info[0]}.{sys.version_info[1]}"  # each Python's run apart
+    logs = args.cache_dir.resolve() / f"logs-{suffix}"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
     run = Run(sources, args.mode, args.timeout, started + args.budget, logs)
@@ -914,7 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{run.results[t['id']].traceback}"
         for t in failing
     ]
-    details_path = args.cache_dir.resolve() / "last-run.txt"
+    details_path = args.cache_dir.resolve() / f"last-run-{suffix}.txt"
     details_path.write_text("\n".join([*report, "", "Tracebacks:", "", *details]) + "\n")
     if args.tracebacks:
         for text in details:
