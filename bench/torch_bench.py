@@ -23,13 +23,16 @@ Workloads (sizes in MiB, times ``--scale``):
 - T3s (sharexec only): the same with the tensor allocated in a sharexec segment
   (``torch.from_numpy(sharexec.zeros(n, np.float32))``): nothing to move.
 
-Prints a markdown table (and, with ``--json PATH``, writes every time). Run it with a
-private /dev/shm where other programs' segments might interfere.
+Prints two markdown tables (wall, CPU); ``--json PATH`` writes the run, every time in it:
+``--json docs/bench-torch-results.json`` publishes it, and ``bench/render.py`` renders the
+docs' tensor figures from that file. Run it with a private /dev/shm where other programs'
+segments might interfere (a tmpfs mounted in a private mount namespace: ``unshare``).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
@@ -42,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MiB = 1 << 20
 SYSTEMS = ["stdlib", "torch.mp.Pool", "sharexec", "sharexec/torch"]
@@ -218,6 +223,51 @@ def measure_once(
     return elapsed, spent
 
 
+def versions() -> dict[str, str]:
+    """What ran: Python, torch, NumPy, loky, sharexec and its commit."""
+    import platform
+
+    out = {"python": platform.python_version()}
+    for module in ("torch", "numpy", "loky", "sharexec"):
+        out[module] = __import__(module).__version__
+    out["sharexec_commit"] = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return out
+
+
+def table(record: dict[str, Any], kind: str) -> str:
+    """The markdown table of ``record``'s ``kind`` ("wall" or "cpu"): medians in s
+    (min-max), and sharexec's median over the stdlib's (T3s: over the stdlib's T3, the
+    same program with ``torch.zeros``)."""
+    systems = record["systems"]
+    times = record[kind]
+    lines = [
+        "| workload | " + " | ".join(systems) + " | sharexec / stdlib |",
+        "|---|" + "---:|" * (len(systems) + 1),
+    ]
+    for workload in record["workloads"]:
+        row = times[workload]
+        cells = [
+            f"{statistics.median(row[s]):.3f} ({min(row[s]):.2f}-{max(row[s]):.2f})"
+            if s in row
+            else "-"
+            for s in systems
+        ]
+        base = times["T3" if workload == "T3s" else workload].get("stdlib")
+        ratio = (
+            f"{statistics.median(row['sharexec']) / statistics.median(base):.2f}"
+            if base and "sharexec" in row
+            else "-"
+        )
+        lines.append(
+            f"| {workload}: {WORKLOADS[workload][0]} | " + " | ".join(cells) + f" | {ratio} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -225,18 +275,22 @@ def main() -> None:
     parser.add_argument("--start-method", default="spawn")
     parser.add_argument("--workloads", default="T1,T2,T3,T3s")
     parser.add_argument("--torch-road", action="store_true", help="also sharexec/torch")
-    parser.add_argument("--json", type=Path, help="write every time to this file")
+    parser.add_argument(
+        "--json", type=Path, help="write the run here (docs/bench-torch-results.json: publish it)"
+    )
     args = parser.parse_args()
 
     import torch
     import torch_tasks
 
-    import sharexec
-
+    started = time.perf_counter()
+    started_at = datetime.datetime.now(datetime.timezone.utc)
+    run_versions = versions()  # first: the work tree may change while the run goes on
     workloads = args.workloads.split(",")
     systems = [s for s in SYSTEMS if s != "sharexec/torch" or args.torch_road]
-    log(f"torch {torch.__version__}, sharexec {sharexec.__version__}, {args.start_method}")
-    log(f"before: {load()}")
+    log(f"torch {torch.__version__}, sharexec {run_versions['sharexec']}, {args.start_method}")
+    load_before = load()
+    log(f"before: {load_before}")
     results: dict[str, dict[str, list[float]]] = {w: {} for w in workloads}
     cpu_results: dict[str, dict[str, list[float]]] = {w: {} for w in workloads}
     cpu = cpu_meter()
@@ -262,37 +316,30 @@ def main() -> None:
     finally:
         for pool in pools.values():
             pool.close()
-    after = load()
-    log(f"after: {after}")
-
-    header = f"{args.reps} repetitions, 2 workers, {args.start_method}, scale {args.scale:g}"
-    print(f"\n{header} ({after})")
-    for title, table in (("Wall time", results), ("CPU time, all processes", cpu_results)):
-        print(f"\n{title}: medians in s (min-max)\n")
-        print("| workload | " + " | ".join(systems) + " | sharexec / stdlib |")
-        print("|---|" + "---:|" * (len(systems) + 1))
-        for workload in workloads:
-            row = table[workload]
-            cells = [
-                f"{statistics.median(row[s]):.3f} ({min(row[s]):.2f}-{max(row[s]):.2f})"
-                if s in row
-                else "-"
-                for s in systems
-            ]
-            base = row.get("stdlib")
-            if workload == "T3s":  # against the stdlib's T3, the same program with torch.zeros
-                base = table.get("T3", {}).get("stdlib")
-            ratio = (
-                f"{statistics.median(row['sharexec']) / statistics.median(base):.2f}"
-                if base and "sharexec" in row
-                else "-"
-            )
-            name = f"{workload}: {WORKLOADS[workload][0]}"
-            print(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
+    load_after = load()
+    log(f"after: {load_after}")
+    record = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "date": f"{started_at:%Y-%m-%d %H:%M} UTC",
+        "cpus": os.cpu_count(),
+        "versions": run_versions,
+        "load_before": load_before,
+        "load_after": load_after,
+        "wall_s": time.perf_counter() - started,
+        "systems": systems,
+        "workloads": workloads,
+        "wall": results,
+        "cpu": cpu_results,
+    }
+    print(f"\n{args.reps} repetitions, 2 workers, {args.start_method}, scale {args.scale:g}")
+    print(f"before: {load_before}\nafter: {load_after}")
+    print("\nWall time: medians in s (min-max)\n")
+    print(table(record, "wall"))
+    print("CPU time, all processes: medians in s (min-max)\n")
+    print(table(record, "cpu"))
     if args.json:
-        args.json.write_text(
-            json.dumps({"load": after, "wall": results, "cpu": cpu_results}, indent=1)
-        )
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        log(f"JSON: {args.json}")
 
 
 if __name__ == "__main__":
