@@ -21,10 +21,11 @@ both, as through ``torch.multiprocessing``. What this module owns:
 * a storage whose bytes lie in a sharexec segment travels by reference
   (:func:`rebuild_shared_storage`: segment name and offset), like a shared array;
 * a private storage sent to a task is first **moved** into a segment (:func:`move`): its
-  bytes copied into fresh shared memory, then its data pointer swapped with the
-  segment's (``UntypedStorage._swap_data_ptr_``), so that every tensor and view of that
-  storage, in the sender too, now lives in the segment, as ``share_memory_()`` moves a
-  storage into torch's shared memory. Storages of at most :data:`ARENA_MAX` bytes share
+  bytes written into fresh shared memory (as the segment is created: ``os.pwrite``, not a
+  copy through a fresh mapping), then its data pointer swapped with the segment's
+  (``UntypedStorage._swap_data_ptr_``), so that every tensor and view of that storage,
+  in the sender too, now lives in the segment, as ``share_memory_()`` moves a storage
+  into torch's shared memory. Storages of at most :data:`ARENA_MAX` bytes share
   segments (:class:`_Arena`): 2,000 small tensors take one segment, not 2,000 segments
   and descriptors. A fresh segment reads as zeros, so chunks of zeros are not copied
   (``torch.zeros(n)`` moves at the cost of reading it);
@@ -213,42 +214,54 @@ def move(
     """Move a private CPU storage into a new place in shared memory, in place: every
     tensor over it, here, now uses the segment. Returns the mapping and the offset.
 
-    ``copy(target, source)`` copies bytes (the forward sink's copies on several cores).
-    Raises :class:`~sharexec.SegmentError` if no segment can be had (shared memory and
-    ``spill_to`` both full): the storage is left as it was.
+    A storage of at most :data:`ARENA_MAX` bytes is copied into an arena segment with
+    ``copy(target, source)`` (the forward sink's copies); a larger one gets a segment of
+    its own, written as it is created (``_segments.create``'s content: no page zeroed,
+    then faulted in, before it is written). Either way chunks of zeros are skipped, since
+    fresh shared memory reads as zeros. Raises :class:`~sharexec.SegmentError` if no
+    segment can be had (shared memory and ``spill_to`` both full): the storage is left
+    as it was.
+
+    NumPy's copies and the kernel's, never torch's: torch copies large tensors on its
+    OpenMP threads, and a process forked after GNU OpenMP ran a parallel region
+    deadlocks in its own first one (a worker started with ``fork``). The standard
+    library's road (torch's reducer) copies with a plain memcpy; so does this.
     """
     nbytes = storage.nbytes()
+    source = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    runs = _nonzero_runs(source)
     if nbytes <= ARENA_MAX:
         mapping, offset = _arena.take(nbytes, spill_to)
+        target = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset)
+        for low, high in runs:
+            copy(target[low:high], source[low:high])
+        del target
     else:
-        mapping, offset = _tracking.new_shared(nbytes, spill_to), 0
-    target = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-    source = torch.empty(0, dtype=torch.uint8).set_(storage)
-    _copy_nonzero(target.numpy(), source.numpy(), copy)
-    # From now on the storage's memory is the segment's, and `target` holds the old
-    # private memory, freed when it goes at the end of this call.
-    storage._swap_data_ptr_(target.untyped_storage())
+
+        def content(write: Callable[[int, memoryview], None]) -> None:
+            for low, high in runs:
+                write(low, memoryview(source[low:high]))
+
+        mapping, offset = _tracking.new_shared(nbytes, spill_to, content), 0
+    # From now on the storage's memory is the segment's, and `old` holds the private
+    # memory, freed when it goes at the end of this call.
+    old = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+    storage._swap_data_ptr_(old.untyped_storage())
     return mapping, offset
 
 
-def _copy_nonzero(
-    target: np.ndarray, source: np.ndarray, copy: Callable[[np.ndarray, np.ndarray], None]
-) -> None:
-    """Copy the bytes ``source`` into ``target`` (fresh shared memory, which reads as
-    zeros), but for the chunks of ``source`` that are all zeros.
+def _nonzero_runs(source: np.ndarray) -> list[tuple[int, int]]:
+    """The byte ranges ``[low, high)`` of ``source`` to copy into fresh shared memory
+    (which reads as zeros): all but its chunks of :data:`_ZERO_CHUNK` bytes that are all
+    zeros, e.g. ``[(0, 4194304)]``.
 
-    Writing fresh shared pages is what a move costs (a page fault each); reading costs
-    far less. A chunk whose first eight bytes are not all zero is not scanned further,
-    so ordinary data pays nothing; each run of chunks to copy is copied in one call.
-
-    NumPy's copy, never torch's: torch copies large tensors on its OpenMP threads, and a
-    process forked after GNU OpenMP ran a parallel region deadlocks in its own first one
-    (a worker started with ``fork``). The standard library's road (torch's reducer)
-    copies with a plain memcpy; so does this.
+    Writing fresh shared pages is what a move costs; reading costs far less. A chunk
+    whose first eight bytes are not all zero is not scanned further, so ordinary data
+    pays nothing.
     """
     n = len(source)
     words = source[: n - n % 8].view(np.uint64)
-    runs: list[tuple[int, int]] = []  # [low, high) to copy, e.g. [(0, 4194304)]
+    runs: list[tuple[int, int]] = []
     start: int | None = None
     for low in range(0, n, _ZERO_CHUNK):
         high = min(low + _ZERO_CHUNK, n)
@@ -261,8 +274,7 @@ def _copy_nonzero(
             start = low
     if start is not None:
         runs.append((start, n))
-    for low, high in runs:
-        copy(target[low:high], source[low:high])
+    return runs
 
 
 # ---------------------------------------------------------------------------------------
