@@ -126,6 +126,20 @@ def exited(returncode: int, expected: int = 0) -> None:
         faults_plugin.crashed(f"the scenario exited with {returncode}")
 
 
+def kill_and_check_swept(proc: subprocess.Popen, kin: list[int]) -> None:
+    """SIGKILL the scenario's parent: within 5 s every process of ``kin`` has exited (no
+    worker runs the queue on) and every segment of the scenario is swept."""
+    proc.kill()
+    proc.wait(10)
+    outlived = wait_exit(kin, 5.0)
+    if outlived:
+        faults_plugin.crashed("processes outlived the parent by 5 s")
+    assert not outlived, "processes outlived the parent by 5 s"
+    assert_none_left(left_by(proc))
+    proc.stdout.close()
+    proc.stderr.close()
+
+
 def family(proc: subprocess.Popen) -> list[int]:
     return list(descendants(proc.pid))
 
@@ -274,16 +288,7 @@ def test_parent_killed_with_tasks_in_flight(start_method, tmp_path):
     kin = family(proc)
     assert sweeper in kin and len(kin) >= 3
     assert len(segments_now() - _before[proc.pid]) >= 4, "the scenario should hold segments"
-    proc.kill()
-    proc.wait(10)
-    # within 5 s: every worker has exited (none runs the queue), everything is swept
-    outlived = wait_exit(kin, 5.0)
-    if outlived:
-        faults_plugin.crashed("processes outlived the parent by 5 s")
-    assert not outlived, "processes outlived the parent by 5 s"
-    assert_none_left(left_by(proc))
-    proc.stdout.close()
-    proc.stderr.close()
+    kill_and_check_swept(proc, kin)
 
 
 def test_sweeper_of_a_package_installed_elsewhere(tmp_path):
@@ -606,15 +611,7 @@ def test_a_killed_sweeper_is_restarted_and_the_crash_sweep_holds(start_method, t
     kin = family(proc)
     assert sweeper in kin
     assert len(segments_now() - _before[proc.pid]) >= 4, "the scenario should hold segments"
-    proc.kill()
-    proc.wait(10)
-    outlived = wait_exit(kin, 5.0)
-    if outlived:
-        faults_plugin.crashed("processes outlived the parent by 5 s")
-    assert not outlived, "processes outlived the parent by 5 s"
-    assert_none_left(left_by(proc))
-    proc.stdout.close()
-    proc.stderr.close()
+    kill_and_check_swept(proc, kin)
 
 
 def test_a_frozen_worker_is_ended_once_the_parent_is_gone(start_method, tmp_path):
