@@ -128,6 +128,20 @@ def test_a_private_tensor_sent_to_a_task_ends_up_shared(executor, n):
     assert executor.submit(torch_workers.describe, t).result(timeout=60)[6][0] == 5.0
 
 
+def test_a_large_move_keeps_every_byte_around_chunks_of_zeros(executor):
+    """A storage with a segment of its own is written as the segment is created, all
+    but its chunks of zeros (fresh shared memory reads as zeros): every byte arrives,
+    in the worker and in the parent's moved tensor, an odd tail included."""
+    chunk = _tensors._ZERO_CHUNK
+    t = torch.randint(1, 256, (3 * chunk + 5,), dtype=torch.uint8)
+    t[chunk : 2 * chunk] = 0  # a whole chunk of zeros, skipped
+    t[2 * chunk + 7] = 0  # a zero inside a chunk that is written
+    expected = t.clone()
+    values = executor.submit(torch_workers.describe, t).result(timeout=60)[6]
+    assert torch.equal(values, expected) and torch.equal(t, expected)
+    assert _tensors.in_segment(t.untyped_storage()) is not None
+
+
 def test_private_tensors_nested_in_containers_and_kwargs(executor):
     tensors = [torch.zeros(n) for n in (SMALL, LARGE, SMALL, LARGE, SMALL)]
     nested = {"a": [tensors[0], (tensors[1],)], "b": Box({"deep": [Box(tensors[2])]})}
