@@ -144,11 +144,16 @@ def test_a_large_move_keeps_every_byte_around_chunks_of_zeros(executor):
 
 def test_private_tensors_nested_in_containers_and_kwargs(executor):
     tensors = [torch.zeros(n) for n in (SMALL, LARGE, SMALL, LARGE, SMALL)]
+    in_segment = torch.from_numpy(sharexec.zeros(LARGE, dtype=np.float32))  # by reference
     nested = {"a": [tensors[0], (tensors[1],)], "b": Box({"deep": [Box(tensors[2])]})}
+    nested["c"] = Box({"deeper": (Box([in_segment[1:]]),)})
     future = executor.submit(torch_workers.add_one, [nested, tensors[3], Box(tensors[4])])
     future.result(timeout=60)
     assert all(float(t[0]) == 1.0 and float(t[-1]) == 1.0 for t in tensors)
     assert all(map(sharexec.is_shared, tensors))
+    assert float(in_segment[0]) == 0.0 and float(in_segment[1]) == float(in_segment[-1]) == 1.0
+    moved = sum(t.untyped_storage().nbytes() for t in tensors[1::2])  # the large private
+    assert executor.statistics().bytes_copied <= moved + 3 * 4096  # never the segment's
     kwargs = {"x": torch.zeros(LARGE)}
     executor.submit(torch_workers.add_one, **kwargs).result(timeout=60)
     assert float(kwargs["x"][-1]) == 1.0
