@@ -225,6 +225,19 @@ def bench_cluster(session: nox.Session) -> None:
     session.run("python", "bench/cluster_bench.py", *session.posargs)
 
 
+@nox.session(name="bench-torch", python=_python("3.11"), default=False)
+def bench_torch(session: nox.Session) -> None:
+    """Run the tensor benchmark (``bench/torch_bench.py``): sharexec against the standard
+    library's executor and ``torch.multiprocessing.Pool``; not a default session.
+
+    Under Python 3.11, with the ``bench`` and ``torch`` extras: torch 2.13, the version CI
+    tests (on these machines a CPU build on local disk, for Python 3.11 only); e.g.
+    ``nox -s bench-torch -- --reps 9``.
+    """
+    session.install(".[bench,torch]")
+    session.run("python", "bench/torch_bench.py", *session.posargs)
+
+
 # The Pythons whose own test_concurrent_futures nox -s compat runs.
 COMPAT_PYTHONS = ["3.11", "3.13"]
 

@@ -1,4 +1,4 @@
-"""Every benchmark figure of the docs, rendered from one committed run (its results file).
+"""Every benchmark figure of the docs, rendered from committed runs (their results files).
 
 The pages hold the figures in blocks between two markers::
 
@@ -6,17 +6,22 @@ The pages hold the figures in blocks between two markers::
     ...
     <!-- /bench:NAME -->
 
-and this script rewrites what lies between them from the results file, so that the
-figures of every page come from the same run and cannot drift apart. The test suite
-(``tests/test_docs.py``) fails if a block differs from what this script renders.
+and this script rewrites what lies between them from the results file the marker names,
+so that the figures of every page come from the same run and cannot drift apart. Two
+runs are published: ``docs/bench-results.json`` (``bench/run.py``, the suite against its
+peers) and ``docs/bench-torch-results.json`` (``bench/torch_bench.py``, PyTorch tensors).
+The test suite (``tests/test_docs.py``) fails if a block differs from what this script
+renders.
 
 Usage::
 
     python bench/run.py --json docs/bench-results.json   # a new run, to publish
+    python bench/torch_bench.py --json docs/bench-torch-results.json
     python bench/render.py                                # rewrite every block
     python bench/render.py --check                        # exit 1 if a block is stale
 
-Imports only the standard library (and ``run.py`` beside it, whose table it reuses).
+Imports only the standard library (and ``run.py`` and ``torch_bench.py`` beside it, whose
+tables it reuses; neither imports torch or sharexec at import time).
 """
 
 from __future__ import annotations
@@ -33,19 +38,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import W1_MIB, Row, table  # beside this file
+import torch_bench  # beside this file
+from run import W1_MIB, Row, table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "bench-results.json"
+TORCH_RESULTS = ROOT / "docs" / "bench-torch-results.json"
 # The pages with rendered blocks.
 PAGES = [
     ROOT / "docs" / "performance.md",
     ROOT / "docs" / "migration" / "from-processpoolexecutor.md",
+    ROOT / "docs" / "migration" / "from-torch.md",
 ]
-SOURCE = "rendered by bench/render.py from docs/bench-results.json"
 BLOCK = re.compile(
-    r"(<!-- bench:(?P<name>[\w-]+): " + re.escape(SOURCE) + r" -->\n)(?P<body>.*?)"
-    r"(<!-- /bench:(?P=name) -->)",
+    r"(<!-- bench:(?P<name>[\w-]+): rendered by bench/render\.py from "
+    r"(?P<source>docs/[\w.-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)",
     re.S,
 )
 
@@ -272,14 +279,107 @@ def tiny_tasks_block(run: Run) -> str:
     )
 
 
-BLOCKS: dict[str, Callable[[Run], str]] = {
-    "summary": summary_block,
-    "run": run_block,
-    "floor": floor_block,
-    "results": results_block,
-    "other-methods": other_methods_block,
-    "held": held_block,
-    "tiny-tasks": tiny_tasks_block,
+# ---------------------------------------------------------------------------------------
+# The tensor benchmark's run (bench/torch_bench.py)
+# ---------------------------------------------------------------------------------------
+
+
+class TorchRun:
+    """One run of bench/torch_bench.py, as its results file holds it."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+
+    def median(self, kind: str, workload: str, system: str) -> float:
+        return statistics.median(self.record[kind][workload][system])
+
+    def ratio(self, kind: str, workload: str) -> float:
+        """sharexec's median over the stdlib's (T3s: over the stdlib's T3)."""
+        base = "T3" if workload == "T3s" else workload
+        return self.median(kind, workload, "sharexec") / self.median(kind, base, "stdlib")
+
+
+def torch_run_block(run: TorchRun) -> str:
+    r = run.record
+    v = r["versions"]
+    a = r["args"]
+    load = f"{one_minute_load(r['load_before'])} and {one_minute_load(r['load_after'])}"
+    return (
+        f"The figures below are from one run of `python bench/torch_bench.py` "
+        f"({a['start_method']}, 2 workers, {a['reps']} repetitions, scale {a['scale']:g}) on "
+        f"{r['date']}: Linux with {r['cpus']} CPUs, Python {v['python']}, torch "
+        f"{v['torch']}, NumPy {v['numpy']}, loky {v['loky']}, sharexec at commit "
+        f"`{v['sharexec_commit']}`; its results file is "
+        "[docs/bench-torch-results.json](bench-torch-results.json). Medians in seconds "
+        "(min-max), first of wall time, then of the CPU time of all processes (the parent "
+        "and its workers: less swayed by other jobs than wall time). "
+        + (
+            f"**The machine was busy with other jobs** (load average {load} before and "
+            f"after the run, on {r['cpus']} CPUs; {r['wall_s']:.0f} s of wall time): close "
+            "figures do not tell two systems apart.\n"
+            if busy(r)
+            else f"The machine was shared with other jobs (load average {load} before and "
+            f"after the run, {r['wall_s']:.0f} s of wall time), so differences of less than "
+            "about 10% are noise.\n"
+        )
+    )
+
+
+def torch_wall_block(run: TorchRun) -> str:
+    return torch_bench.table(run.record, "wall")
+
+
+def torch_cpu_block(run: TorchRun) -> str:
+    return torch_bench.table(run.record, "cpu")
+
+
+def _torch_ratios(run: TorchRun, workloads: list[str]) -> str:
+    return "; ".join(
+        f"{w} {run.ratio('wall', w):.2f} (CPU {run.ratio('cpu', w):.2f})" for w in workloads
+    )
+
+
+def torch_summary_block(run: TorchRun) -> str:
+    measured = [w for w in ("T1", "T2", "T3", "T3s") if w in run.record["workloads"]]
+    behind = [w for w in measured if run.ratio("wall", w) > 1]
+    verdict = (
+        "at or below the standard library's wall time on every workload"
+        if not behind
+        else f"behind the standard library's wall time on {', '.join(behind)}"
+    )
+    return (
+        "- **PyTorch tensors** (their own benchmark, [below](#pytorch-tensors)), keeping "
+        f"torch's semantics: sharexec is {verdict}. Its time over the standard library's, "
+        f"wall (and CPU): {_torch_ratios(run, measured)}.\n"
+    )
+
+
+def torch_measured_block(run: TorchRun) -> str:
+    measured = [w for w in ("T1", "T2", "T3", "T3s") if w in run.record["workloads"]]
+    return (
+        f"In the published run ({run.record['date']}"
+        + (", on a busy machine" if busy(run.record) else "")
+        + "), sharexec's time over the standard library's, wall (and CPU of all processes): "
+        f"{_torch_ratios(run, measured)}. See "
+        "[Performance](../performance.md#pytorch-tensors) for the tables and the machine "
+        "they ran on.\n"
+    )
+
+
+# Each block: the results file it renders from, and how.
+BLOCKS: dict[str, tuple[Path, Callable[[Any], str]]] = {
+    "summary": (RESULTS, summary_block),
+    "run": (RESULTS, run_block),
+    "floor": (RESULTS, floor_block),
+    "results": (RESULTS, results_block),
+    "other-methods": (RESULTS, other_methods_block),
+    "held": (RESULTS, held_block),
+    "tiny-tasks": (RESULTS, tiny_tasks_block),
+    "torch-summary": (TORCH_RESULTS, torch_summary_block),
+    "torch-run": (TORCH_RESULTS, torch_run_block),
+    "torch-wall": (TORCH_RESULTS, torch_wall_block),
+    "torch-cpu": (TORCH_RESULTS, torch_cpu_block),
+    "torch-measured": (TORCH_RESULTS, torch_measured_block),
 }
 
 
@@ -287,39 +387,56 @@ def load(path: Path = RESULTS) -> Run:
     return Run(json.loads(path.read_text(encoding="utf-8")))
 
 
-def render(text: str, run: Run) -> str:
-    """``text`` with each of its blocks rendered from ``run``."""
+def load_torch(path: Path = TORCH_RESULTS) -> TorchRun:
+    return TorchRun(json.loads(path.read_text(encoding="utf-8")))
+
+
+def load_all(results: Path = RESULTS, torch_results: Path = TORCH_RESULTS) -> dict[Path, Any]:
+    """Every published run, by the results file its blocks name."""
+    return {RESULTS: load(results), TORCH_RESULTS: load_torch(torch_results)}
+
+
+def render(text: str, runs: dict[Path, Any]) -> str:
+    """``text`` with each of its blocks rendered from the run its marker names."""
 
     def one(match: re.Match[str]) -> str:
-        body = BLOCKS[match["name"]](run)
-        return match[1] + body + match[4]
+        source, block = BLOCKS[match["name"]]
+        named = ROOT / match["source"]
+        if named != source:
+            raise ValueError(
+                f"block {match['name']!r} renders from {source.relative_to(ROOT)}, "
+                f"its marker names {match['source']}"
+            )
+        return match[1] + block(runs[source]) + match[5]
 
     return BLOCK.sub(one, text)
 
 
-def stale(run: Run) -> list[str]:
+def stale(runs: dict[Path, Any] | None = None) -> list[str]:
     """The pages (relative to the root) whose blocks differ from their rendering."""
+    runs = load_all() if runs is None else runs
     return [
         str(page.relative_to(ROOT))
         for page in PAGES
-        if render(text := page.read_text(encoding="utf-8"), run) != text
+        if render(text := page.read_text(encoding="utf-8"), runs) != text
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="?", type=Path, default=RESULTS)
+    p.add_argument("--torch-results", type=Path, default=TORCH_RESULTS)
     p.add_argument("--check", action="store_true", help="only tell whether a block is stale")
     args = p.parse_args(argv)
-    run = load(args.results)
+    runs = load_all(args.results, args.torch_results)
     if args.check:
-        pages = stale(run)
+        pages = stale(runs)
         for page in pages:
-            print(f"{page}: figures differ from {args.results}; run python bench/render.py")
+            print(f"{page}: figures differ from the results files; run python bench/render.py")
         return 1 if pages else 0
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
-        page.write_text(render(text, run), encoding="utf-8")
+        page.write_text(render(text, runs), encoding="utf-8")
     return 0
 
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 import math
 import operator
 import os
+import sys
 import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Literal, SupportsIndex
+from typing import Any, Literal, Protocol, SupportsIndex, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -125,19 +126,33 @@ class SharedArray(np.ndarray):
 
 
 def is_shared(a: Any) -> bool:
-    """Whether ``a`` is an array whose memory lies in a sharexec shared segment.
+    """Whether ``a`` is an array whose memory lies in a sharexec shared segment, or a
+    PyTorch tensor in shared memory (a sharexec segment, or torch's own).
 
     Parameters
     ----------
     a : object
-        Any object; only :class:`numpy.ndarray` instances can be shared.
+        Any object; only :class:`numpy.ndarray` instances and tensors can be shared.
 
     Returns
     -------
     bool
         True if passing ``a`` to a task or process passes a reference, not a copy.
     """
-    return isinstance(a, np.ndarray) and _tracking.find_shared(*byte_bounds(a)) is not None
+    if isinstance(a, np.ndarray):
+        return _tracking.find_shared(*byte_bounds(a)) is not None
+    if _is_tensor(a):
+        from . import _tensors
+
+        return _tensors.is_shared(a)
+    return False
+
+
+def _is_tensor(a: Any) -> bool:
+    """Whether ``a`` is a PyTorch tensor (without importing torch: if it is not loaded,
+    nothing is a tensor)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(a, torch.Tensor)
 
 
 def rebuild_shared(
@@ -627,21 +642,50 @@ def full_like(
     return a
 
 
-def share(a: npt.ArrayLike) -> SharedArray:
-    """Shared memory holding ``a``: ``a`` itself if it is already shared, else a copy.
+class _Tensor(Protocol):
+    """What sets a PyTorch tensor apart from an array, for :func:`share`'s signature."""
+
+    def untyped_storage(self) -> Any: ...
+
+    def share_memory_(self) -> Any: ...
+
+
+TensorT = TypeVar("TensorT", bound=_Tensor)
+
+
+@overload
+def share(a: TensorT) -> TensorT: ...
+
+
+@overload
+def share(a: npt.ArrayLike) -> SharedArray: ...
+
+
+def share(a: Any) -> Any:
+    """Shared memory holding ``a``: ``a`` itself if it is already shared, else a copy;
+    a PyTorch tensor is moved into shared memory in place.
 
     Parameters
     ----------
-    a : array_like
-        The data. Arrays of Python objects cannot be shared.
+    a : array_like or torch.Tensor
+        The data. Arrays of Python objects cannot be shared. A tensor must be a CPU
+        tensor with a strided layout.
 
     Returns
     -------
-    SharedArray
-        An array equal to ``a`` (same shape, dtype and layout) whose memory is shared.
-        If ``a`` already lives in shared memory, no copy is made and writes to the result
-        are writes to ``a``.
+    SharedArray or torch.Tensor
+        For an array: an array equal to ``a`` (same shape, dtype and layout) whose memory
+        is shared. If ``a`` already lives in shared memory, no copy is made and writes to
+        the result are writes to ``a``.
+
+        For a tensor: ``a`` itself, as ``a.share_memory_()`` returns it, its storage now
+        in a sharexec segment (every view of that storage follows), unless it was in
+        shared memory already (a sharexec segment, or torch's own).
     """
+    if _is_tensor(a):
+        from . import _tensors
+
+        return _tensors.share(a, Options.resolve({}).temp_folder or tempfile.gettempdir())
     arr = np.asarray(a)
     if is_shared(arr):
         return arr if isinstance(arr, SharedArray) else arr.view(SharedArray)

@@ -39,6 +39,10 @@ KEPT_MAPPINGS = 128  # W2's 64 chunks fit; each is one VMA and one name to look 
 WARM_SEGMENTS = KEPT_MAPPINGS  # as many as a worker keeps mapped: neither side keeps more
 
 
+# The roads of private torch tensors (Options.tensor_sharing), the default first.
+TENSOR_SHARING = ("sharexec", "torch")
+
+
 @dataclass(frozen=True)
 class Options:
     """The sharexec options of one executor.
@@ -56,11 +60,18 @@ class Options:
         Whether queued calls of functions measured short may travel to a worker several
         in one message (see ``_batching``). Environment variable: ``SHAREXEC_BATCHING``
         (``0`` or ``1``).
+    tensor_sharing
+        How private PyTorch CPU tensors are shared with the tasks they are sent to:
+        ``"sharexec"`` (the default) moves them into sharexec segments, ``"torch"``
+        leaves them to torch's own reducers (torch's shared memory, a file descriptor
+        per storage), as the standard library's executor does. Either way the sender's
+        tensor ends up shared. Environment variable: ``SHAREXEC_TENSOR_SHARING``.
     """
 
     min_share_bytes: int = DEFAULT_MIN_SHARE_BYTES
     temp_folder: str | None = None
     batching: bool = True
+    tensor_sharing: str = "sharexec"
 
     @classmethod
     def resolve(
@@ -108,6 +119,10 @@ def _parse(name: str, value: Any, where: str) -> Any:
         if isinstance(value, str) and value.strip().lower() in words:
             return words[value.strip().lower()]
         raise ConfigError(f"{where} must be True or False (or 1 or 0), got {value!r}")
+    if name == "tensor_sharing":
+        if value not in TENSOR_SHARING:
+            raise ConfigError(f"{where} must be one of {', '.join(TENSOR_SHARING)}, got {value!r}")
+        return value
     raise AssertionError(name)  # pragma: no cover - every field has a parser
 
 

@@ -168,7 +168,9 @@ class SharedProcessPoolExecutor(LokyExecutor):
     through shared memory instead of a pipe: a private array is copied once into a
     segment and seen copy-on-write by the worker; an array allocated with
     :func:`sharexec.empty` and friends (or any view of one) travels by reference, so
-    workers write into it in place.
+    workers write into it in place. PyTorch tensors keep torch's semantics: a CPU
+    tensor passed to a task is shared with it (moved into a segment first if it was
+    private), as through the standard library's executor.
 
     Parameters
     ----------
@@ -192,12 +194,15 @@ class SharedProcessPoolExecutor(LokyExecutor):
         to ``spawn`` when ``mp_context`` is not given.
     **options
         sharexec options: ``min_share_bytes`` (buffers at least this large go through
-        shared memory; default 256 KiB, or ``SHAREXEC_MIN_SHARE_BYTES``) and
+        shared memory; default 256 KiB, or ``SHAREXEC_MIN_SHARE_BYTES``),
         ``temp_folder`` (where segments spill when shared memory is full; default the
-        system's temporary folder, or ``SHAREXEC_TEMP_FOLDER``) and ``batching``
+        system's temporary folder, or ``SHAREXEC_TEMP_FOLDER``), ``batching``
         (default True, or ``SHAREXEC_BATCHING``: queued calls of functions measured
         short go to a worker several in one message; each still gets its own future,
-        result and exception). An unknown option is a :class:`~sharexec.ConfigError`.
+        result and exception) and ``tensor_sharing`` (how private PyTorch tensors are
+        shared with tasks: ``"sharexec"``, moved into segments, the default; or
+        ``"torch"``, torch's own reducers; or ``SHAREXEC_TENSOR_SHARING``). An unknown
+        option is a :class:`~sharexec.ConfigError`.
     """
 
     _worker_env: dict[str, str] | None = None  # the workers' environment (loky's method)

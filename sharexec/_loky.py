@@ -1,8 +1,8 @@
 """The one door to loky's internals (and to multiprocessing's and concurrent.futures').
 
 sharexec runs on loky's process pool, and reaches below loky's public surface in five
-places. Every such access is made here and nowhere else in sharexec; the rest of the
-package sees the small surface below, with plain names:
+places, and below multiprocessing's in one. Every such access is made here and nowhere
+else in sharexec; the rest of the package sees the small surface below, with plain names:
 
 * :class:`LokyExecutor`, the base of sharexec's executor: loky's ``ProcessPoolExecutor``
   with ``_enqueue(future, fn, args)``, which queues a call with a future of the caller's
@@ -31,6 +31,12 @@ package sees the small surface below, with plain names:
   clean-exit protocol, quietly: loky's warning about a recycled worker (meant for its
   leak check) is marked as given already.
 * :data:`DISPATCH_TABLE`: loky's reducers, for sharexec's picklers.
+* :data:`FORKING_REDUCERS`: the reducers registered with
+  ``multiprocessing.reduction.ForkingPickler.register`` (torch's tensors and storages,
+  multiprocessing's own connections and sockets, sharexec's shared arrays), which the
+  standard library's executor pickles everything with: read live from
+  ``ForkingPickler._extra_reducers`` at each lookup, since a library registers when it is
+  imported (``import torch`` does), after sharexec.
 * :func:`count_private_memory_only`: in sharexec's workers only (never in the parent, nor
   in a worker of another pool), loky's leak check measures private memory, not the
   shared pages a worker maps. This is the one thing of loky that is replaced: a module
@@ -77,7 +83,7 @@ import queue
 import threading
 import types
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from concurrent.futures import Future
 from concurrent.futures import _base as futures_base
 from multiprocessing import context as mp_context
@@ -97,6 +103,7 @@ from loky.backend import reduction as loky_reduction
 
 __all__ = [
     "DISPATCH_TABLE",
+    "FORKING_REDUCERS",
     "SUPPORTED_LOKY",
     "WARM_PRELOAD",
     "BatchOutcome",
@@ -283,6 +290,7 @@ def _problems() -> list[str]:
             "Condition._acquire_restore",
             "Condition._is_owned",
         ),
+        *_has(mp_reduction, "ForkingPickler._extra_reducers"),
         # The worker's leak check (its measure exists only where psutil does).
         *_has(pe, "_USE_PSUTIL"),
         *_uses(pe, "_process_worker", "_get_memory_usage"),  # looked up at each call
@@ -1189,6 +1197,42 @@ class _ResultQueue(loky_queues.SimpleQueue):  # type: ignore[misc]
 # type, e.g. {functools.partial: <function _reduce_partial>, ...}. loky's own table, not a
 # copy: what loky.backend.reduction.register adds later is in it too. Read it only.
 DISPATCH_TABLE: dict[Any, Any] = loky_reduction._dispatch_table
+
+
+class _ForkingReducers(MutableMapping[Any, Any]):
+    """The reducers registered with ``ForkingPickler.register``, by exact type, looked up
+    in ``ForkingPickler._extra_reducers`` at each access (never a copy), e.g.
+    ``{torch.Tensor: <function reduce_tensor>, socket.socket: <function _reduce_socket>}``.
+
+    Read only: a library registers through ``ForkingPickler.register``, never here.
+    """
+
+    def __getitem__(self, kind: Any) -> Any:
+        return _registrations()[kind]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(dict(_registrations()))
+
+    def __len__(self) -> int:
+        return len(_registrations())
+
+    def __setitem__(self, kind: Any, reduce: Any) -> None:
+        raise TypeError("register with multiprocessing.reduction.ForkingPickler.register")
+
+    def __delitem__(self, kind: Any) -> None:
+        raise TypeError("ForkingPickler's registrations are multiprocessing's")
+
+
+def _registrations() -> dict[Any, Any]:
+    """ForkingPickler's table of registrations, as it is now."""
+    table: dict[Any, Any] = mp_reduction.ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    return table
+
+
+# What the standard library's pickler (multiprocessing's ForkingPickler) adds to copyreg's
+# reducers: multiprocessing's own (connections, sockets, method descriptors, partials)
+# and every library's (torch's tensors and storages...), live.
+FORKING_REDUCERS: MutableMapping[Any, Any] = _ForkingReducers()
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,6 +13,13 @@ One mechanism carries every call and every result: a cloudpickle pass at protoco
 * a ``buffer_callback`` that receives every out-of-band buffer: the spans above, and
   those of any other protocol-5 object (pandas, pyarrow, …). One at or above
   ``min_share_bytes`` is **copied once** into a segment; smaller ones stay in-band.
+* where torch is loaded, the same ``reducer_override`` sees every CPU tensor and untyped
+  storage (:mod:`sharexec._tensors`), which follow torch's rules, not the copy rule: a
+  storage in a shared segment travels by reference; a private one is moved into a
+  segment first when sent to a task (the sender's tensor ends up shared, as torch's
+  reducer does it), or copied as a buffer in a result. Whatever else torch registered
+  with multiprocessing's ``ForkingPickler`` (its own shared memory, CUDA, sparse…) goes
+  through its reducer, from the dispatch table (``_wire.Pickler``).
 
 What the pass decides is the same both ways; *where the bytes go* is its :class:`Sink`'s.
 The two directions are deliberately asymmetric:
@@ -37,6 +44,7 @@ import io
 import logging
 import os
 import pickle
+import sys
 import tempfile
 import types
 from collections.abc import Callable
@@ -101,6 +109,7 @@ class _Pickler(Pickler):
     def __init__(self, file: io.BytesIO, state: Pass) -> None:
         super().__init__(file, protocol=5, buffer_callback=state.take_buffer)
         self._state = state
+        self._torch = state.torch
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
@@ -111,7 +120,26 @@ class _Pickler(Pickler):
             reduced = self._state.sink.reduce_function(obj)
             if reduced is not None:
                 return reduced
+        elif self._torch is not None:
+            kind = type(obj)
+            if kind in self._torch.TENSORS:
+                reduced = self._torch.reduce_tensor(obj)
+                if reduced is not None:
+                    return reduced
+            elif kind is self._torch.STORAGE:
+                reduced = self._state.reduce_storage(obj)
+                if reduced is not None:
+                    return reduced
         return super().reducer_override(obj)
+
+
+def _tensors() -> Any:
+    """sharexec._tensors if torch is loaded (else no object can be a tensor), else None."""
+    if "torch" not in sys.modules:
+        return None
+    from . import _tensors  # imports torch, loaded already
+
+    return _tensors
 
 
 # ---------------------------------------------------------------------------------------
@@ -130,6 +158,7 @@ class Pass:
         self.keep: list[Mapping] = []
         self.copies: list[Mapping] = []  # the copies among keep
         self.copied = _Copied()  # byte ranges copied in this pass: a buffer inside one reuses it
+        self.torch = _tensors()  # sharexec._tensors where torch is loaded, else None
 
     def reduce_array(self, a: np.ndarray) -> Any:
         """How ``a`` travels: a reduce tuple, or None to let numpy pickle it."""
@@ -156,6 +185,37 @@ class Pass:
         # bytes this pass copied already: describe it over the source bytes it spans.
         span_low, span_high = _span_to_copy(a, low, high)
         return _describe(a, a, span_low, span_high, id(a) in self.arguments)
+
+    def reduce_storage(self, storage: Any) -> Any:
+        """How a torch storage travels: by reference if its bytes lie in a shared segment;
+        if private, moved into one first (a call: :attr:`Sink.moves_tensors`) or as a
+        buffer (a result); None for torch's reducer (its own shared memory, a device's
+        memory, or the ``tensor_sharing="torch"`` option for private ones)."""
+        tensors = self.torch
+        nbytes = storage.nbytes()
+        if storage.device.type != "cpu":
+            return None
+        if nbytes == 0:
+            return tensors.empty_storage, ()
+        found = tensors.in_segment(storage)
+        if found is None:
+            if storage.is_shared() or self.sink.options.tensor_sharing == "torch":
+                return None
+            if not self.sink.moves_tensors:
+                span = np.asarray(_Span(storage, storage.data_ptr(), nbytes))
+                return tensors.rebuild_storage, (pickle.PickleBuffer(span),)  # type: ignore[arg-type]
+            if not tensors.CAN_MOVE:
+                return None
+            try:
+                found = tensors.move(storage, self.sink.spill_to, self.sink.copy)
+            except SegmentError as exc:
+                self.sink.fell_back(f"{exc}; tensors of this size go through torch's reducer")
+                return None
+            self.sink.count("bytes_copied", nbytes)
+        mapping, offset = found
+        self.keep.append(mapping)
+        adopt = self.sink.by_reference(mapping, nbytes)
+        return tensors.rebuild_shared_storage, (mapping.name, len(mapping), offset, nbytes, adopt)
 
     def _holds(self, low: int, high: int) -> bool:
         return self.copied.find(low, high) is not None
@@ -320,6 +380,11 @@ class Sink:
     a new copy goes), :meth:`place` (reuse), :meth:`copy` (on how many cores) and what
     it reports.
     """
+
+    # Whether a private torch storage is moved into a shared segment before it goes (a
+    # call: torch's semantics, the sender's tensor ends up shared), or copied as a buffer
+    # (a result).
+    moves_tensors = False
 
     def __init__(self, options: Options) -> None:
         self.options = options

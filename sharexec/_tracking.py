@@ -210,7 +210,7 @@ def _own(mapping: Mapping) -> Mapping:
     return mapping
 
 
-def _create(size: int, spill_to: str | None) -> Mapping:
+def _create(size: int, spill_to: str | None, content: _segments.Content | None = None) -> Mapping:
     """A new segment owned by this process.
 
     In shared memory; if that fails (full, too small, missing) and ``spill_to`` is given,
@@ -218,19 +218,19 @@ def _create(size: int, spill_to: str | None) -> Mapping:
     this process is out of file descriptors: a file needs one as well.
     """
     try:
-        return _create_named(_segments.new_name(), size)
+        return _create_named(_segments.new_name(), size, content)
     except SegmentError as exc:
         if spill_to is None or exc.errno in _segments.OUT_OF_DESCRIPTORS:
             raise
         logger.info("%s; spilling to a file in %s", exc, spill_to)
         folder = _owned.spill_folder(spill_to)
-        return _create_named(os.path.join(folder, _segments.new_name()), size)
+        return _create_named(os.path.join(folder, _segments.new_name()), size, content)
 
 
-def _create_named(name: str, size: int) -> Mapping:
+def _create_named(name: str, size: int, content: _segments.Content | None = None) -> Mapping:
     _tell(REGISTER, name)  # first: a crash while the space is being reserved leaks nothing
     try:
-        return _own(_segments.create(size, name))
+        return _own(_segments.create(size, name, content))
     except BaseException:
         _tell(UNREGISTER, name)
         raise
@@ -368,9 +368,12 @@ def find_shared(low: int, high: int) -> tuple[Mapping, int] | None:
 # ---------------------------------------------------------------------------------------
 
 
-def new_shared(size: int, spill_to: str | None = None) -> Mapping:
-    """A new segment for a shared array, owned by this process and listed as shared."""
-    mapping = _create(size, spill_to)
+def new_shared(
+    size: int, spill_to: str | None = None, content: _segments.Content | None = None
+) -> Mapping:
+    """A new segment for a shared array, owned by this process and listed as shared;
+    ``content`` writes its first bytes (see :func:`_segments.create`)."""
+    mapping = _create(size, spill_to, content)
     logger.debug("created shared segment %s (%d bytes)", mapping.name, size)
     return _registry.add(mapping)
 

@@ -399,8 +399,11 @@ class ForwardSink(Sink):
     counted for ``statistics()``; a fallback warned of once.
 
     ``task``: the number of the task being sent, if this pass sends one;
-    ``cache_functions``: functions of ``__main__`` go by their cached pickle.
+    ``cache_functions``: functions of ``__main__`` go by their cached pickle. Private
+    torch tensors are moved into shared memory before they go (``moves_tensors``).
     """
+
+    moves_tensors = True
 
     def __init__(
         self, transport: Transport, task: int | None = None, cache_functions: bool = True

@@ -6,7 +6,8 @@ imports NumPy, :mod:`sharexec._arrays` or :mod:`sharexec._reduction`. It owns
 * the shape of an out-of-band buffer on the wire (:data:`BufferRef`) and
   :func:`loads`, which unpickles a payload over the segments its buffers lie in;
 * :class:`Pickler`, the base of every pickler sharexec runs, so that an object pickles
-  the same way in each (loky's reducers, then cloudpickle's and copyreg's);
+  the same way in each (loky's reducers, then those registered with multiprocessing's
+  ``ForkingPickler``, then cloudpickle's and copyreg's);
 * plain values (:func:`is_plain`): calls and results made only of them hold no buffer
   and skip the passes;
 * functions sent by their cached pickle (:func:`load_function`, a cache per worker);
@@ -31,7 +32,7 @@ from typing import Any, ClassVar, Protocol
 import cloudpickle
 
 from . import _tracking
-from ._loky import DISPATCH_TABLE
+from ._loky import DISPATCH_TABLE, FORKING_REDUCERS
 from .errors import ResultError
 
 __all__ = [
@@ -76,15 +77,21 @@ def loads(
 
 
 class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle's pickler with the dispatch table of loky's own.
+    """cloudpickle's pickler with the dispatch table of loky's own, and multiprocessing's.
 
-    loky's reducers come first (bound methods by reference, sockets and multiprocessing
-    connections through the process being spawned, partials), then cloudpickle's and
-    copyreg's: an object pickles inside our payloads exactly as it would in loky's.
+    By exact type, first match wins: loky's reducers (bound methods by reference, sockets
+    and multiprocessing connections through the process being spawned, partials); then
+    whatever was registered with ``multiprocessing.reduction.ForkingPickler.register``,
+    as the standard library's executor pickles with it (torch's tensors and storages:
+    moved to shared memory, passed by handle; multiprocessing's method descriptors;
+    sharexec's shared arrays); then cloudpickle's and copyreg's, which ForkingPickler's
+    registrations override there too. ForkingPickler's are looked up live
+    (``_loky.FORKING_REDUCERS``): ``import torch`` registers long after this class
+    exists. An override in a subclass's ``reducer_override`` wins over all of them.
     """
 
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        DISPATCH_TABLE, cloudpickle.Pickler.dispatch_table
+        DISPATCH_TABLE, FORKING_REDUCERS, cloudpickle.Pickler.dispatch_table
     )
 
 

@@ -119,6 +119,20 @@ def test_environment_variable_sets_the_threshold(monkeypatch):
         Options.resolve({})
 
 
+def test_tensor_sharing_takes_one_of_its_roads(monkeypatch):
+    from sharexec._config import Options
+
+    assert Options.resolve({}).tensor_sharing == "sharexec"
+    assert Options.resolve({"tensor_sharing": "torch"}).tensor_sharing == "torch"
+    monkeypatch.setenv("SHAREXEC_TENSOR_SHARING", "torch")
+    assert Options.resolve({}).tensor_sharing == "torch"
+    with pytest.raises(sharexec.ConfigError, match=r"tensor_sharing.*sharexec, torch"):
+        Options.resolve({"tensor_sharing": "pickle"})
+    monkeypatch.setenv("SHAREXEC_TENSOR_SHARING", "fd")
+    with pytest.raises(sharexec.ConfigError, match="SHAREXEC_TENSOR_SHARING"):
+        Options.resolve({})
+
+
 def test_threshold_decides_what_is_shared(start_method, no_leaks):
     a = np.ones(1000)  # 8 kB
     with sharexec.SharedProcessPoolExecutor(

@@ -157,8 +157,10 @@ def test_the_pool_takes_at_most_a_quarter_of_shared_memory(monkeypatch):
 
 
 def test_every_benchmark_figure_comes_from_the_committed_run():
-    """The figures of every page are rendered from docs/bench-results.json (one run of
-    bench/run.py) by bench/render.py, and agree with it: they cannot drift apart."""
+    """The figures of every page are rendered by bench/render.py from the results file
+    each block names (docs/bench-results.json: one run of bench/run.py;
+    docs/bench-torch-results.json: one of bench/torch_bench.py), and agree with it: they
+    cannot drift apart."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import render
@@ -171,7 +173,8 @@ def test_every_benchmark_figure_comes_from_the_committed_run():
         names = {m["name"] for m in render.BLOCK.finditer(text)}
         assert names, f"{page.relative_to(ROOT)} has no rendered block"
         assert names <= set(render.BLOCKS), names - set(render.BLOCKS)
-    assert render.stale(run) == [], "run python bench/render.py"
+    assert render.load_torch().record["wall"], "docs/bench-torch-results.json is empty"
+    assert render.stale() == [], "run python bench/render.py"
 
 
 def test_the_cluster_figures_come_from_the_committed_run():

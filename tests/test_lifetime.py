@@ -146,7 +146,9 @@ def _drop_everything(a):
     del a
     gc.collect()
     for obj in gc.get_objects():
-        if isinstance(obj, _tracking.Segment):
+        # type(), not isinstance(): that reads __class__, which some objects (torch's
+        # deprecated aliases, where torch is loaded) answer with a warning
+        if type(obj) is _tracking.Segment:
             obj._finalizer()  # even a finalizer run by force does nothing in a child
 
 

@@ -81,6 +81,29 @@ def test_a_loky_that_differs_fails_the_import_naming_the_versions(change):
     assert last.endswith(f"pip install 'loky{_loky.SUPPORTED_LOKY}'")
 
 
+def test_forkingpicklers_registrations_are_read_live():
+    """What registers with ForkingPickler after sharexec was imported (torch does, when
+    it is imported) is seen at once; nothing registers through the door."""
+    from multiprocessing.reduction import ForkingPickler
+
+    class Late:
+        pass
+
+    def reduce(obj):
+        return Late, ()
+
+    assert Late not in _loky.FORKING_REDUCERS
+    ForkingPickler.register(Late, reduce)
+    try:
+        assert _loky.FORKING_REDUCERS[Late] is reduce
+        assert Late in list(_loky.FORKING_REDUCERS)
+        with pytest.raises(TypeError):
+            _loky.FORKING_REDUCERS[Late] = reduce
+    finally:
+        del ForkingPickler._extra_reducers[Late]
+    assert Late not in _loky.FORKING_REDUCERS
+
+
 def test_the_supported_versions_are_the_pin():
     # tomllib is in the stdlib since Python 3.11; the test extra brings tomli before.
     tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")

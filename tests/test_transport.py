@@ -127,6 +127,17 @@ def _child_reads(a, started, go, queue):
     queue.put(float(a[0]))
 
 
+def test_what_forkingpickler_registers_pickles_by_that_reducer_both_ways(executor):
+    """Parity with the standard library's pickler (D10): a reducer registered with
+    multiprocessing's ForkingPickler (after sharexec was imported) pickles the object in
+    the call and in the result, and wins over copyreg's, as it does in the stdlib."""
+    from multiprocessing.reduction import ForkingPickler
+
+    assert pickle.loads(ForkingPickler.dumps(workers.Marked([]))).trail == ["ForkingPickler"]
+    back = executor.submit(workers.identity, {"deep": [workers.Marked([])]}).result()
+    assert back["deep"][0].trail == ["ForkingPickler", "ForkingPickler"]
+
+
 def test_shared_arrays_nested_in_containers_and_kwargs(executor):
     a = sharexec.zeros(10)
     b = sharexec.zeros(10)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import itertools
 import os
 import time
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -246,3 +248,20 @@ def wait_at(i: int, k: int, event: Any) -> int:
     if i == k:
         event.wait(120)
     return i
+
+
+class Marked:
+    """An object whose reducers leave a trail: registered with copyreg and with
+    multiprocessing's ForkingPickler (at import, in every process that imports this
+    module, as torch registers its own), so each pickling says which reducer ran."""
+
+    def __init__(self, trail: list[str]) -> None:
+        self.trail = trail
+
+
+def _rebuild_marked(trail: list[str]) -> Marked:
+    return Marked(trail)
+
+
+copyreg.pickle(Marked, lambda m: (_rebuild_marked, ([*m.trail, "copyreg"],)))
+ForkingPickler.register(Marked, lambda m: (_rebuild_marked, ([*m.trail, "ForkingPickler"],)))
