@@ -688,14 +688,18 @@ def note_run_seconds(seconds: float) -> None:
 
 
 class _CoalescedWakeup(process_executor._ThreadWakeup):  # type: ignore[misc]
-    """loky's wake-up of the manager thread, written only when none is pending.
+    """loky's wake-up of the manager thread, written for a call only when none is
+    pending.
 
     loky writes a byte to a pipe at every submit: a system call, and a thread switch
-    to the manager, per call. Here a submit writes only if the manager has not been
-    woken since it last cleared the pipe. Safe because the manager clears *before* it
-    next looks at the queued calls (``wait_result_broken_or_wakeup`` ends its step
-    with ``clear``), and the flag is reset after the pipe is drained: any call queued
-    before the reset is seen by that look, any wake-up after it writes again.
+    to the manager, per call. Here a submit (``wakeup_for_call``) writes only if the
+    manager has not been woken since it last cleared the pipe. Safe because the manager
+    clears *before* it next looks at the queued calls (``wait_result_broken_or_wakeup``
+    ends its step with ``clear``), and the flag is reset after the pipe is drained: any
+    call queued before the reset is seen by that look, any wake-up after it writes
+    again. loky's own wake-ups (``wakeup``: shutdown, a broken pool, new workers to
+    watch) always write: they are rare, and one that a stale flag swallowed would leave
+    the manager asleep while ``shutdown`` waits for it.
     """
 
     _pending = False
@@ -703,15 +707,18 @@ class _CoalescedWakeup(process_executor._ThreadWakeup):  # type: ignore[misc]
     # next waits (set by _Manager): then a call queued needs no wake-up at all.
     awake = False
 
-    def wakeup(self) -> None:
-        if not self._pending:
-            self._pending = True
-            super().wakeup()
-
     def wakeup_for_call(self) -> None:
-        """A call was queued: wake the manager unless it is awake."""
-        if not self.awake:
+        """A call was queued: wake the manager unless it is awake or already woken."""
+        if self.awake or self._pending:
+            return
+        self._pending = True
+        try:
             self.wakeup()
+        except BaseException:
+            # Not written (Ctrl-C in the submitting thread, say): a flag left set would
+            # swallow every later call's wake-up.
+            self._pending = False
+            raise
 
     def clear(self) -> None:
         super().clear()
@@ -771,7 +778,7 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
         wakeup = self.thread_wakeup
         wakeup.awake = False
         if self.work_ids_queue.qsize() and not self.call_queue.full():
-            wakeup.wakeup()
+            wakeup.wakeup_for_call()
         try:
             return super().wait_result_broken_or_wakeup()
         finally:
