@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import faults_plugin
@@ -107,6 +108,25 @@ def left_by(proc: subprocess.Popen) -> set[str]:
 
 
 _before: dict[int, set[str]] = {}
+_scenarios: list[subprocess.Popen] = []  # the scenarios the running test started
+
+
+@pytest.fixture(autouse=True)
+def no_scenario_left() -> Iterator[None]:
+    """A scenario still running when its test ends (the test failed or timed out while it
+    hung) is killed with every process it started, and the test fails: one hang must
+    not leave processes that fail every later test's leak check."""
+    yield
+    left = [proc for proc in _scenarios if proc.poll() is None]
+    for proc in left:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(10)
+    _scenarios.clear()
+    if left:
+        faults_plugin.crashed("a scenario was still running at the end of its test")
+    assert not left, "a scenario was still running at the end of its test: killed"
 
 
 def run_scenario(tmp_path: Path, body: str, method: str, **kwargs):
@@ -121,6 +141,7 @@ def run_scenario(tmp_path: Path, body: str, method: str, **kwargs):
         **kwargs,
     )
     _before[proc.pid] = before
+    _scenarios.append(proc)
     return proc
 
 
