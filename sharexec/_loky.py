@@ -209,20 +209,9 @@ def _problems() -> list[str]:
         ),
         *_uses(pe, "ProcessPoolExecutor._ensure_executor_running", "_adjust_process_count"),
         *_uses(pe, "_ExecutorManagerThread.process_result_item", "_adjust_process_count"),
-        # Workers started on demand: one started as loky's _adjust_process_count does.
+        # Workers started on demand: one started as loky's _adjust_process_count does
+        # (with _process_worker's arguments, checked above for the batches' streaming).
         *_has(pe, "_process_worker", "_CURRENT_DEPTH"),
-        *_takes(
-            pe,
-            "_process_worker",
-            "call_queue",
-            "result_queue",
-            "initializer",
-            "initargs",
-            "processes_management_lock",
-            "timeout",
-            "worker_exit_lock",
-            "current_depth",
-        ),
         *_assigns(
             pe,
             "ProcessPoolExecutor",
