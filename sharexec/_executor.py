@@ -50,6 +50,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
@@ -627,7 +628,8 @@ class _Slot:
                     while self._state < _DONE:
                         left = None if end is None else end - time.monotonic()
                         if left is not None and left <= 0:
-                            raise TimeoutError
+                            # concurrent.futures' own (the builtin one only from 3.11)
+                            raise FuturesTimeoutError
                         run.condition.wait(left)
                 finally:
                     run.waiting = None
