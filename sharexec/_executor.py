@@ -181,9 +181,9 @@ class SharedProcessPoolExecutor(LokyExecutor):
         A :mod:`multiprocessing` context, or a start method name (``"spawn"``,
         ``"fork"``, ``"forkserver"``, ``"loky"``). By default, workers are forks of a
         server of sharexec's own, started once per process, that imported sharexec's
-        worker side and NumPy: no fork of this process, warm workers. Under every
-        method, workers start on demand (a call finding no idle worker starts one, up
-        to ``max_workers``).
+        worker side and NumPy: no fork of this process, warm workers. Workers start on
+        demand (a call finding no idle worker starts one, up to ``max_workers``), but
+        under ``"fork"`` all start at the first call, as in the standard library.
     initializer : callable, optional
         Called in each new worker with ``initargs``; its arguments are shared like a
         task's.

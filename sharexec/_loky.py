@@ -12,7 +12,8 @@ else in sharexec; the rest of the package sees the small surface below, with pla
   ``_pool_broken``, ``_pool_shut_down``, ``_pool_max_workers``, ``_pool_processes()`` and
   ``_pending_futures()``; the workers it starts, on demand (loky's
   ``_adjust_process_count``, which would start them all at once, starts at most one per
-  call not done, each as loky does: ``_process_worker`` and its arguments), reported to
+  call not done, each as loky does: ``_process_worker`` and its arguments; under fork all
+  at the first call; a Ctrl-C held while they and the manager thread start), reported to
   ``_workers_started(pids)``; and the two queue subclasses below, swapped in as loky
   creates its queues.
 * :func:`warm_context`, sharexec's default start method: multiprocessing's forkserver
@@ -80,6 +81,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import threading
 import types
 from collections import deque
@@ -474,7 +476,8 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             if self._executor_manager_thread is None or len(self._processes) != int(
                 self._max_workers
             ):
-                self._ensure_executor_running()
+                with _ctrl_c_deferred():  # workers and the manager thread start together
+                    self._ensure_executor_running()
 
     @property
     def _pool_broken(self) -> BaseException | None:
@@ -524,7 +527,13 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         # most one per call not done yet (pending or running), up to max_workers. A
         # call submitted after the previous one's result finds that worker idle and
         # starts none.
+        #
+        # Under fork, as in the standard library, every worker starts at the first call,
+        # before the pool's threads exist: a fork taken while the feeder thread holds a
+        # lock (tempfile's, on its first use, was seen) gives a worker that never gets it.
         wanted = min(self._max_workers, len(self._pending_work_items))
+        if self._context.get_start_method() == "fork":
+            wanted = self._max_workers
         started = []
         while len(self._processes) < wanted:
             started.append(self._start_worker())
@@ -578,6 +587,33 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             # its memory-leak recycling) would be noise. Set before any worker can have
             # finished its tasks, hence before the manager thread can read it.
             self._executor_manager_thread.recycling_warned = True
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives in the block until it is over, then deliver it.
+
+    Starting workers takes milliseconds, and a ``KeyboardInterrupt`` raised in the middle
+    left them half started: a worker running but not in loky's table (it took the
+    shutdown sentinel of another, whom loky then joined forever), or workers without
+    the manager thread that would have stopped them (the program hung at exit, joining
+    them). Python runs signal handlers in the main thread only, so elsewhere (the
+    manager thread) nothing needs holding.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, held[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 # ---------------------------------------------------------------------------------------

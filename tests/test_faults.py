@@ -28,13 +28,20 @@ import sharexec
 pytestmark = pytest.mark.timeout(120)
 
 PRELUDE = """
-import os, signal, sys
+import faulthandler, os, signal, sys
 import numpy as np
 import sharexec
 from sharexec import _tracking
 from concurrent.futures.process import BrokenProcessPool
 
 METHOD = None if sys.argv[1] == "default" else sys.argv[1]  # None: sharexec's default
+
+# Ctrl-C raises KeyboardInterrupt here even if this program was started with SIGINT
+# ignored (as a shell starts a background job).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# A scenario that hangs writes where each of its threads stands (the test shows it).
+faulthandler.dump_traceback_later(80, exit=False)
 
 FIFO_DIR = sys.argv[2] if len(sys.argv) > 2 else None
 
@@ -118,15 +125,19 @@ def no_scenario_left() -> Iterator[None]:
     not leave processes that fail every later test's leak check."""
     yield
     left = [proc for proc in _scenarios if proc.poll() is None]
+    stacks = []
     for proc in left:
         for pid in [*descendants(proc.pid), proc.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        proc.wait(10)
+        _, err = proc.communicate(timeout=10)
+        stacks.append((err or "")[-8000:])  # with the stacks it wrote once it hung 80 s
     _scenarios.clear()
     if left:
         faults_plugin.crashed("a scenario was still running at the end of its test")
-    assert not left, "a scenario was still running at the end of its test: killed"
+    assert not left, "a scenario was still running at the end of its test: killed\n" + "\n".join(
+        stacks
+    )
 
 
 def run_scenario(tmp_path: Path, body: str, method: str, **kwargs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -52,6 +53,8 @@ def test_a_pool_that_runs_nothing_starts_nothing(start_method, no_leaks):
 
 
 def test_one_call_starts_one_worker_of_64_and_the_idle_worker_is_reused(start_method, no_leaks):
+    if start_method == "fork":
+        pytest.skip("under fork every worker starts at the first call (the next test)")
     with sharexec.SharedProcessPoolExecutor(64, mp_context=start_method) as ex:
         started = watch_starts(ex)
         first = ex.submit(sw.pid).result()
@@ -59,6 +62,27 @@ def test_one_call_starts_one_worker_of_64_and_the_idle_worker_is_reused(start_me
         # Each call submitted after the previous result finds that worker idle.
         assert {ex.submit(sw.pid).result() for _ in range(6)} == {first}
         assert started == [first]
+
+
+def test_under_fork_every_worker_starts_at_the_first_call_before_the_pool_threads(no_leaks):
+    # As the standard library does: a worker forked later, while the pool's feeder thread
+    # held a lock (tempfile's, at its first use), never got that lock.
+    threads_at_start: list[set[str]] = []
+    with sharexec.SharedProcessPoolExecutor(4, mp_context="fork") as ex:
+        report = ex._workers_started
+
+        def record(pids: list[int]) -> None:
+            threads_at_start.append({t.name for t in threading.enumerate()})
+            report(pids)
+
+        ex._workers_started = record  # type: ignore[method-assign]
+        ex.submit(sw.pid).result()
+        assert len(ex._pool_processes()) == 4
+        assert {ex.submit(sw.pid).result() for _ in range(8)} <= {
+            p.pid for p in ex._pool_processes()
+        }
+    assert len(threads_at_start) == 1  # all four at once
+    assert not threads_at_start[0] & {"QueueFeederThread", "ExecutorManagerThread"}
 
 
 def test_workers_start_as_calls_wait_and_never_more_than_max_workers(
@@ -83,10 +107,44 @@ def test_a_user_initializer_runs_once_in_each_worker_started(
     with sharexec.SharedProcessPoolExecutor(
         8, mp_context=start_method, initializer=sw.record_start, initargs=(str(tmp_path),)
     ) as ex:
+        started = watch_starts(ex)
         pids = {f.result() for f in [ex.submit(sw.rendezvous, str(folder), 2) for _ in range(2)]}
         pids.add(ex.submit(sw.pid).result())
-    assert len(pids) == 2
-    assert sorted(p.name for p in tmp_path.glob("init-*")) == sorted(f"init-{p}" for p in pids)
+    if start_method == "fork":  # every worker at once; any of them may take a call
+        assert len(started) == 8
+    else:
+        assert len(pids) == 2
+        assert len(started) == 2
+    assert pids <= set(started)
+    assert sorted(p.name for p in tmp_path.glob("init-*")) == sorted(f"init-{p}" for p in started)
+
+
+def test_ctrl_c_while_workers_start_is_raised_once_they_are_counted(start_method, no_leaks):
+    # A KeyboardInterrupt in the middle of a start left a worker no one counted: it took
+    # the shutdown sentinel of another, whom loky then joined forever.
+    handler = signal.getsignal(signal.SIGINT)
+    ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+    started = watch_starts(ex)
+    start = ex._start_worker
+    ctrl_c_at: list[int] = []
+
+    def start_then_ctrl_c() -> int:
+        pid = start()
+        ctrl_c_at.append(pid)
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C, as the start ends
+        return pid
+
+    ex._start_worker = start_then_ctrl_c  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ex.submit(sw.pid)
+        # Raised after every started worker was counted and reported.
+        assert started == ctrl_c_at == [p.pid for p in ex._pool_processes()]
+        assert signal.getsignal(signal.SIGINT) is handler
+        ex._start_worker = start  # type: ignore[method-assign]
+        assert ex.submit(sw.pid).result() in started
+    finally:
+        ex.shutdown(wait=True)  # returns: each worker got its own sentinel
 
 
 def test_a_worker_dying_breaks_the_pool_as_before(start_method, no_leaks):
