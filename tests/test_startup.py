@@ -122,7 +122,9 @@ def test_a_user_initializer_runs_once_in_each_worker_started(
 def test_ctrl_c_while_workers_start_is_raised_once_they_are_counted(start_method, no_leaks):
     # A KeyboardInterrupt in the middle of a start left a worker no one counted: it took
     # the shutdown sentinel of another, whom loky then joined forever.
-    handler = signal.getsignal(signal.SIGINT)
+    # Ctrl-C raises KeyboardInterrupt, as in a program started from a terminal (pytest
+    # started as a background job has SIGINT ignored).
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
     started = watch_starts(ex)
     start = ex._start_worker
@@ -140,11 +142,12 @@ def test_ctrl_c_while_workers_start_is_raised_once_they_are_counted(start_method
             ex.submit(sw.pid)
         # Raised after every started worker was counted and reported.
         assert started == ctrl_c_at == [p.pid for p in ex._pool_processes()]
-        assert signal.getsignal(signal.SIGINT) is handler
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         ex._start_worker = start  # type: ignore[method-assign]
         assert ex.submit(sw.pid).result() in started
     finally:
         ex.shutdown(wait=True)  # returns: each worker got its own sentinel
+        signal.signal(signal.SIGINT, handler)
 
 
 def test_a_worker_dying_breaks_the_pool_as_before(start_method, no_leaks):
