@@ -23,7 +23,7 @@ Data flow, in the order a submitted call travels::
              hashed after this call's submit     call's submit and dispatch is its own)
            otherwise                        ─▶ its SHA-256: a blob already on the cluster
                                                with that digest, or scattered once now
-                                               (_HostBytes, client.scatter)
+                                               (_HostBytes, client.scatter; _scatter)
     └─ client.submit(_run, payload, blobs, pure=False, key=<fn>-<token>-<n>)
   worker:   each blob a _HostBytes, one per host in a sharexec segment; the task gets a
             copy-on-write mapping of it (writes stay its own); slots rebuilt from their
@@ -33,10 +33,12 @@ Data flow, in the order a submitted call travels::
             written into the shared arrays; then the future completes; its blobs are let
             go of (released when no call holds them and no object they came from lives)
 
-On a host, the first worker to receive a blob copies it into a segment it owns (tracked
-and swept as every sharexec segment); a worker on the same host that receives it from
-that one maps the segment by name instead of keeping what it received. A worker maps a
-blob's pages only while a task uses them, so no worker's resident memory counts them
+Where workers share the client's host, the client copies a blob's bytes once into a
+segment of its own and sends those workers its name alone. On any other host, the first
+worker to receive a blob copies it into a segment it owns; a worker on the same host
+that receives it from that one maps the segment by name instead of keeping what it
+received. Every such segment is tracked and swept as any sharexec segment. A worker maps
+a blob's pages only while a task uses them, so no worker's resident memory counts them
 between tasks, and Dask's ``sizeof`` of a blob is its handle's.
 """
 
@@ -99,14 +101,17 @@ def _host() -> str:
 class _HostBytes:
     """The bytes of one large buffer, as the cluster holds them.
 
-    In the client, ``data`` is the user's buffer, read when Dask pickles it (at scatter).
+    In the client, either the bytes were copied into a sharexec segment ``name`` the
+    client owns (``owner``), for the workers of the client's own host, which map it by
+    name (only the name travels: ``local``); or ``data`` is the user's buffer, read when
+    Dask pickles it (at scatter), for a cluster with no worker on the client's host.
     In a worker, the bytes live in the sharexec segment ``name`` on this host: created and
-    owned by this process (``owner``, the handle that unlinks it), or another worker's,
+    owned by this process (``owner``, the handle that unlinks it), or another process's,
     kept alive by ``held``, a mapping never touched. When neither is possible (shared
     memory full), ``data`` holds the bytes in this process.
     """
 
-    __slots__ = ("__weakref__", "data", "digest", "held", "name", "owner", "size")
+    __slots__ = ("__weakref__", "data", "digest", "held", "local", "name", "owner", "size")
 
     def __init__(
         self,
@@ -123,8 +128,11 @@ class _HostBytes:
         self.name = name
         self.owner = owner
         self.held = held
+        self.local = False  # the client's copy, for its host's workers: the name alone
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.local:
+            return _arrive, (self.digest, self.size, _host(), self.name, None)
         buffer = self.data if self.name is None else self._mapped()
         buffer = pickle.PickleBuffer(buffer) if int(protocol) >= 5 else bytes(buffer)
         return _arrive, (self.digest, self.size, _host(), self.name, buffer)
@@ -164,39 +172,53 @@ _here: weakref.WeakValueDictionary[bytes, _HostBytes] = weakref.WeakValueDiction
 _here_lock = threading.Lock()
 
 
-def _arrive(digest: bytes, size: int, host: str, name: str | None, buffer: Any) -> _HostBytes:
-    """Unpickled in a worker: the blob over this host's one copy of ``buffer``'s bytes."""
+def _arrive(
+    digest: bytes, size: int, host: str, name: str | None, buffer: Any | None
+) -> _HostBytes:
+    """Unpickled in a worker: the blob over this host's one copy of ``buffer``'s bytes
+    (``buffer`` None: the client of this host sent the name of its copy alone)."""
     _register_sizeof()
     with _here_lock:
         known = _here.get(digest)
     if known is not None:
         return known
     blob = None
-    if name is not None and host == _host():  # a worker of this host sent its copy
-        with contextlib.suppress(SegmentError):
+    if name is not None and host == _host():  # a process of this host sent its copy
+        try:
             blob = _HostBytes(digest, size, name=name, held=_tracking.attach_held(name, size))
+        except SegmentError as exc:
+            if buffer is None:
+                raise SegmentError(
+                    f"the client's copy of a {size}-byte argument, {name}, is gone: {exc}"
+                ) from exc
     if blob is None:
+        if buffer is None:
+            raise SegmentError(f"{name}, the client's copy of an argument, is on another host")
         blob = _copy_in(digest, size, buffer)
     with _here_lock:
         return _here.setdefault(digest, blob)
 
 
 def _copy_in(digest: bytes, size: int, buffer: Any) -> _HostBytes:
+    """A worker's blob of ``buffer``'s bytes: in a segment of its own, held."""
     try:
-        mapping = _tracking.new_private(size)
+        blob = _in_segment(digest, size, buffer)
     except SegmentError:  # shared memory short: the bytes stay in this process
         return _HostBytes(digest, size, data=bytes(memoryview(buffer).cast("B")))
+    blob.held = _tracking.attach_held(blob.name, size)  # type: ignore[arg-type]
+    return blob
+
+
+def _in_segment(digest: bytes, size: int, buffer: Any) -> _HostBytes:
+    """The bytes of ``buffer`` copied into a new segment this process owns, unmapped (the
+    pages written stay in the segment, in no process's resident set); SegmentError when
+    shared memory is short."""
+    mapping = _tracking.new_private(size)
     target = np.frombuffer(mapping, np.uint8)
     target[:] = np.frombuffer(buffer, np.uint8)
     del target
-    blob = _HostBytes(
-        digest,
-        size,
-        name=mapping.name,
-        owner=mapping.owner,
-        held=_tracking.attach_held(mapping.name, size),
-    )
-    mapping.close()  # the pages written stay in the segment, in no worker's resident set
+    blob = _HostBytes(digest, size, name=mapping.name, owner=mapping.owner)
+    mapping.close()
     return blob
 
 
@@ -372,12 +394,14 @@ def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any
 
 class _Sent:
     """A blob on the cluster: its Dask future, the calls holding it, and the objects
-    whose bytes it holds (while one lives, a resubmit may find it again)."""
+    whose bytes it holds (while one lives, a resubmit may find it again); ``copy``, the
+    client's copy of its bytes for the workers of its host (None: sent as bytes)."""
 
-    __slots__ = ("calls", "future", "sources")
+    __slots__ = ("calls", "copy", "future", "sources")
 
-    def __init__(self, future: Any) -> None:
+    def __init__(self, future: Any, copy: _HostBytes | None) -> None:
         self.future = future
+        self.copy = copy  # freed (its segment unlinked) with this record
         self.calls = 0
         self.sources: list[weakref.ref[Any]] = []
 
@@ -540,6 +564,7 @@ class ClusterExecutor(Executor):
         self._results = ThreadPoolExecutor(1, thread_name_prefix="sharexec-cluster-results")
         self._closer: threading.Thread | None = None  # see _start_closing
         self._threads = -2.0, 1  # (when counted, worker threads): refreshed each second
+        self._local: tuple[float, list[str]] = -2.0, []  # (when, workers of this host)
 
     @property
     def client(self) -> distributed.Client:
@@ -644,10 +669,7 @@ class ClusterExecutor(Executor):
         with self._lock:
             sent = self._sent.get(digest)
             if sent is None:
-                key = f"{self._token}-blob-{next(self._keys)}"
-                blob = _HostBytes(digest, data.nbytes, data)
-                future = self._client.scatter({key: blob}, hash=False, direct=self._direct)[key]
-                sent = self._sent[digest] = _Sent(future)
+                sent = self._sent[digest] = self._scatter(digest, data)
                 self._bytes_sent += data.nbytes
             sent.calls += 1
             for other, held in list(self._sent.items()):  # an object changed since: not
@@ -662,6 +684,41 @@ class ClusterExecutor(Executor):
                     self._read[id(source)] = read = _Read(ref, address, data.nbytes, at)
                     read.digest = digest
         return digest
+
+    def _scatter(self, digest: bytes, data: memoryview) -> _Sent:
+        """Put ``data``'s bytes on the cluster, as the blob ``digest`` (under self._lock).
+
+        When workers share the client's host, the bytes are copied once into a segment
+        of the client's, and those workers get its name (the copy costs one memcpy, not
+        a trip through a socket per worker); a worker elsewhere gets them from one of
+        those. Otherwise they go to one worker as bytes (Dask moves them on).
+        """
+        key = f"{self._token}-blob-{next(self._keys)}"
+        local = self._local_workers()
+        copy = None
+        if local:
+            with contextlib.suppress(SegmentError):  # shared memory short: as bytes
+                copy = _in_segment(digest, data.nbytes, data)
+        if copy is not None:
+            copy.local = True
+            blobs = self._client.scatter(
+                {key: copy}, hash=False, direct=self._direct, workers=local, broadcast=True
+            )
+        else:
+            blob = _HostBytes(digest, data.nbytes, data)
+            blobs = self._client.scatter({key: blob}, hash=False, direct=self._direct)
+        return _Sent(blobs[key], copy)
+
+    def _local_workers(self) -> list[str]:
+        """The addresses of the workers on the client's host (refreshed each second)."""
+        counted, workers = self._local
+        now = time.monotonic()
+        if now - counted > 1.0:
+            here = _host()
+            hosts = self._client.run(_host)  # e.g. {"tcp://127.0.0.1:40123": "2f1c…"}
+            workers = sorted(address for address, host in hosts.items() if host == here)
+            self._local = now, workers
+        return workers
 
     def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
         with self._lock:

@@ -400,11 +400,16 @@ def test_workers_of_one_host_share_one_copy(ex, client):
     a = np.random.default_rng(1).random(8 * MiB // 8)
     assert ex.submit(np.sum, a).result() == pytest.approx(a.sum())
     (sent,) = ex._sent.values()
-    client.replicate([sent.future], n=2)  # the second worker receives it from the first
+    # The client copied it once into a segment of its own, and each worker of its host
+    # got that segment's name alone: both hold it before any moves it.
     names = client.run(blob_segment, sent.future.key)
     assert len(names) == 2 and len(set(names.values())) == 1 and None not in names.values()
     (name,) = set(names.values())
+    assert name.startswith(f"sharexec-{os.getpid()}-")
+    assert len(pickle.dumps(sent.copy, protocol=5)) < 1000
     assert [s for s in _shm_listing() if s[0] == name] == [(name, a.nbytes)]
+    client.replicate([sent.future], n=2)
+    assert client.run(blob_segment, sent.future.key) == names
     # Dask counts the handle, not the bytes, for each worker holding it
     managed = client.run(lambda dask_worker: dask_worker.state.nbytes)
     assert sum(managed.values()) < a.nbytes // 8
