@@ -37,6 +37,7 @@ distributed = pytest.importorskip(
 from conftest import drop_warm_arrays, segments_now  # noqa: E402
 
 from sharexec import _cluster, _tracking  # noqa: E402
+from sharexec.errors import SegmentError  # noqa: E402
 
 dask = pytest.importorskip("dask")
 
@@ -415,6 +416,16 @@ def test_workers_of_one_host_share_one_copy(ex, client):
     assert sum(managed.values()) < a.nbytes // 8
     # the array is still a copy per task, whichever worker runs it
     assert list(ex.map(bump_first, [a] * 4)) == [a[0] + 1] * 4
+
+
+def test_a_name_without_its_bytes_fails_clearly_where_it_cannot_be_mapped():
+    # The client sends its host's workers the name of its copy alone: a worker that
+    # cannot map it (gone, or on another host) says so, and never makes up bytes.
+    digest = b"\x00" * 32
+    with pytest.raises(SegmentError, match="the client's copy of a 4096-byte argument"):
+        _cluster._arrive(digest, 4096, _cluster._host(), "sharexec-1-gone", None)
+    with pytest.raises(SegmentError, match="is on another host"):
+        _cluster._arrive(digest, 4096, "another-host", "sharexec-1-gone", None)
 
 
 WORKER_IN_PRIVATE_SHM = 'mount -t tmpfs -o mode=1777,size=1g tmpfs /dev/shm && exec "$0" "$@"'
