@@ -594,25 +594,32 @@ def _ctrl_c_deferred() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) that arrives in the block until it is over, then deliver it.
 
     Starting workers takes milliseconds, and a ``KeyboardInterrupt`` raised in the middle
-    left them half started: a worker running but not in loky's table (it took the
-    shutdown sentinel of another, whom loky then joined forever), or workers without
-    the manager thread that would have stopped them (the program hung at exit, joining
-    them). Python runs signal handlers in the main thread only, so elsewhere (the
-    manager thread) nothing needs holding.
+    left them half started: workers without the manager thread that would have stopped
+    them (seen: the program hung at exit, joining them), or could leave a worker running
+    outside loky's table (it would take the shutdown sentinel of another). Python runs
+    signal handlers in the main thread only, so elsewhere (the manager thread) nothing
+    needs holding.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held: list[Any] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    except ValueError:  # not the main interpreter: its signals are not ours to hold
+        yield
+        return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # None: a handler not set from Python (an embedding program's), which cannot be
+        # set back; the default then, as Python's own.
+        restored = signal.default_int_handler if previous is None else previous
+        signal.signal(signal.SIGINT, restored)
         if held:
-            if callable(previous):
-                previous(signal.SIGINT, held[0])
-            elif previous == signal.SIG_DFL:
+            if callable(restored):
+                restored(signal.SIGINT, held[0])
+            elif restored == signal.SIG_DFL:
                 signal.raise_signal(signal.SIGINT)
 
 
