@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import CancelledError, as_completed, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from multiprocessing import get_context
+from multiprocessing import connection, get_context
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,16 @@ def held(ex: sharexec.SharedProcessPoolExecutor, check: bool = True) -> Iterator
             yield release
         finally:
             release()
+
+
+def await_exit(processes: list[Any], timeout: float = 60.0) -> None:
+    """Until every one of ``processes`` has exited (their sentinels are ready)."""
+    pending = [p.sentinel for p in processes]
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        ready = connection.wait(pending, timeout=deadline - time.monotonic())
+        pending = [s for s in pending if s not in ready]
+    assert not pending, "a worker did not exit"
 
 
 def measure(ex: sharexec.SharedProcessPoolExecutor, fn: Any, *args: Any) -> None:
@@ -129,21 +139,28 @@ def test_shutdown_cancel_futures_with_batches_queued(start_method, no_leaks):
     measure(ex, workers.add, 1, 1)
     with get_context("spawn").Manager() as manager:
         go = manager.Event()
-        # One blocker per worker; the calls below queue up behind them, and the manager
-        # fills the call queue's free places with batches, whose calls are marked
-        # running as they join (no event tells when: looked at until then).
-        blockers = [ex.submit(workers.block, go) for _ in range(2)]
+        # Blockers on both workers and in each of the call queue's places: the calls
+        # below all wait behind them. Once the blockers return, the manager fills the
+        # places with batches of those calls, which are marked running as they join (no
+        # event tells when: looked at until then). Submitted with a place free, the
+        # first calls would go alone.
+        places = ex._call_queue._maxsize  # loky's: twice the workers, and one
+        blockers = [ex.submit(workers.block, go) for _ in range(2 + places)]
         futures = [ex.submit(workers.add, i, 1) for i in range(20_000)]
+        go.set()
         deadline = time.monotonic() + 60
         while not futures[0].running() and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.001)
         assert futures[0].running(), "no batch went to the call queue"
         # The batches in the call queue run (as the stdlib's queued calls), the rest is
         # cancelled.
+        processes = ex._pool_processes()
         ex.shutdown(wait=False, cancel_futures=True)
-        go.set()
-        assert [b.result() for b in blockers] == [True] * 2
+        assert [b.result() for b in blockers] == [True] * (2 + places)
+        # As the standard library's, a shutdown(wait=True) after one without wait does
+        # not wait: the workers are awaited here, as they end the batches they hold.
         ex.shutdown(wait=True)
+        await_exit(processes)
     cancelled = [f for f in futures if f.cancelled()]
     ran = [(i, f) for i, f in enumerate(futures) if not f.cancelled()]
     assert cancelled, "nothing was left to cancel"
@@ -167,8 +184,7 @@ def test_map_calls_cancelled_by_shutdown_raise_cancelled_error(start_method, no_
             got.append(value)
     assert got == [2 * i for i in range(len(got))]
     assert len(got) < 3000
-    for process in processes:  # shut down without waiting: they exit meanwhile
-        process.join(60)
+    await_exit(processes)  # shut down without waiting: they exit meanwhile
 
 
 # ---------------------------------------------------------------------------------------
