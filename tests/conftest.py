@@ -11,6 +11,7 @@ import sys
 import tempfile
 import types
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import faults_plugin
@@ -133,7 +134,38 @@ def creator(name: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def segments_now() -> set[str]:
+class Segments(set[str]):
+    """What :func:`segments_now` found: the names, and which of the session's processes
+    were no longer running then (each pid with the start times recorded for it).
+
+    ``after - before`` is the segments made in between. A segment whose creator is a
+    dead member of the session counts, unless that member was already gone at
+    ``before`` and the session recorded no new process with its pid since: then another
+    program made it, with a pid the session once had (pids wrap at 32768 here, and two
+    suites on one machine reuse each other's within minutes).
+    """
+
+    gone: dict[int, set[int | None]]  # e.g. {4711: {123456}}
+    by_gone: dict[str, int]  # the names counted for a dead member: {name: pid}
+
+    def __sub__(self, other: AbstractSet[object]) -> set[str]:
+        new = set(self).difference(other)
+        gone_then = getattr(other, "gone", None)
+        if not gone_then:
+            return new
+        members = session_members()
+        return {
+            name
+            for name in new
+            if not (
+                name in self.by_gone
+                and self.by_gone[name] in gone_then
+                and members.get(self.by_gone[name], set()) <= gone_then[self.by_gone[name]]
+            )
+        }
+
+
+def segments_now() -> Segments:
     """The sharexec segments that exist now and that this test session made.
 
     A segment's name carries its creator's pid. The creator is this session's if it is
@@ -142,11 +174,17 @@ def segments_now() -> set[str]:
     worker, a worker whose results this process adopted), and if alive it must be the
     same process (its start time), not another one that got its pid since. Segments of
     other programs on the machine (another checkout's tests, a user's job), dead or
-    alive, are never counted.
+    alive, are never counted, nor in a difference (:class:`Segments`) those of a pid the
+    session once had.
     """
     ours = {os.getpid(), *descendants()}
     members = session_members()
-    names = set()
+    running = {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
+    names = Segments()
+    names.gone, names.by_gone = {}, {}
+    for member, starts in members.items():
+        if member not in running or members_module.start_time(member) not in starts:
+            names.gone[member] = set(starts)
     for name in _segments.listdir():
         pid = creator(name)
         if pid is None:
@@ -157,6 +195,8 @@ def segments_now() -> set[str]:
             started = members_module.start_time(pid)
             if started is None or started in members[pid]:
                 names.add(name)
+                if started is None:
+                    names.by_gone[name] = pid
     return names
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SESSION_SITE, segments_now
+from conftest import SESSION_SITE, segments_now, session_members
 
 from sharexec import _segments
 
@@ -143,3 +143,41 @@ def test_the_leak_check_sees_its_own_leaks_and_nothing_else(inner_session):
                     os.kill(int(entry), signal.SIGKILL)
             else:
                 _segments.unlink(entry)
+
+
+def _segment(name: str) -> str:
+    """Make an empty segment file named ``name`` (as its creator would); its path."""
+    path = os.path.join(_segments.SHM_FOLDER, name)
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    return path
+
+
+def test_a_pid_the_session_had_is_a_strangers_once_its_process_was_gone():
+    # A process of this session, recorded as it started, that has exited since.
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(done.stdout)
+    assert pid in session_members()
+    before = segments_now()
+    # Another program got that pid (pids wrap around) and made a segment.
+    path = _segment(f"sharexec-{pid}-madeByAStranger")
+    try:
+        assert os.path.basename(path) in segments_now()  # a dead member's name, alone
+        assert segments_now() - before == set()  # but it was gone before: not made since
+    finally:
+        os.unlink(path)
+
+
+def test_a_member_that_makes_a_segment_and_dies_during_a_test_still_counts():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=-1)
+    before = segments_now()
+    path = _segment(f"sharexec-{child.pid}-madeByAWorker")  # as if the child made it
+    try:
+        child.communicate(b"")  # it exits: a worker killed after making its segment
+        assert segments_now() - before == {os.path.basename(path)}
+    finally:
+        os.unlink(path)
