@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import multiprocessing
 import os
+import select
 import shutil
 import sys
 import tempfile
@@ -123,6 +125,26 @@ def descendants(pid: int | None = None) -> dict[int, str]:
     return found
 
 
+def wait_exit(pids: list[int], timeout: float) -> list[int]:
+    """Wait until every pid has exited (or the timeout); return those still alive."""
+    fds = {}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds[pid] = os.pidfd_open(pid)
+    try:
+        alive = dict(fds)
+        deadline = timeout
+        while alive and deadline > 0:
+            ready, _, _ = select.select(list(alive.values()), [], [], deadline)
+            if not ready:
+                break
+            alive = {p: fd for p, fd in alive.items() if fd not in ready}
+        return list(alive)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def workers_left() -> dict[int, str]:
     """Descendants that are not the long-lived helpers (resource trackers, fork servers)."""
     return {p: cmd for p, cmd in descendants().items() if not any(h in cmd for h in _HELPERS)}
@@ -145,24 +167,19 @@ class Segments(set[str]):
     suites on one machine reuse each other's within minutes).
     """
 
+    members: dict[int, set[int | None]]  # session_members() then
     gone: dict[int, set[int | None]]  # e.g. {4711: {123456}}
     by_gone: dict[str, int]  # the names counted for a dead member: {name: pid}
 
     def __sub__(self, other: AbstractSet[object]) -> set[str]:
-        new = set(self).difference(other)
-        gone_then = getattr(other, "gone", None)
-        if not gone_then:
-            return new
-        members = session_members()
-        return {
-            name
-            for name in new
-            if not (
-                name in self.by_gone
-                and self.by_gone[name] in gone_then
-                and members.get(self.by_gone[name], set()) <= gone_then[self.by_gone[name]]
-            )
-        }
+        gone_then: dict[int, set[int | None]] = getattr(other, "gone", {})
+        return {n for n in set(self).difference(other) if not self._reused(n, gone_then)}
+
+    def _reused(self, name: str, gone_then: dict[int, set[int | None]]) -> bool:
+        """Whether ``name``'s creator, a dead member, was gone already at ``gone_then``
+        with no process of the session started since under its pid."""
+        pid = self.by_gone.get(name)
+        return pid is not None and pid in gone_then and self.members[pid] <= gone_then[pid]
 
 
 def segments_now() -> Segments:
@@ -181,7 +198,7 @@ def segments_now() -> Segments:
     members = session_members()
     running = {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
     names = Segments()
-    names.gone, names.by_gone = {}, {}
+    names.members, names.gone, names.by_gone = members, {}, {}
     for member, starts in members.items():
         if member not in running or members_module.start_time(member) not in starts:
             names.gone[member] = set(starts)

@@ -22,12 +22,13 @@ from collections.abc import Iterator
 from concurrent.futures import CancelledError, as_completed, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from multiprocessing import connection, get_context
+from multiprocessing import get_context
 from typing import Any
 
 import numpy as np
 import pytest
 import workers
+from conftest import wait_exit
 
 import sharexec
 from sharexec import _batching, _config
@@ -60,14 +61,9 @@ def held(ex: sharexec.SharedProcessPoolExecutor, check: bool = True) -> Iterator
             release()
 
 
-def await_exit(processes: list[Any], timeout: float = 60.0) -> None:
-    """Until every one of ``processes`` has exited (their sentinels are ready)."""
-    pending = [p.sentinel for p in processes]
-    deadline = time.monotonic() + timeout
-    while pending and time.monotonic() < deadline:
-        ready = connection.wait(pending, timeout=deadline - time.monotonic())
-        pending = [s for s in pending if s not in ready]
-    assert not pending, "a worker did not exit"
+def await_exit(processes: list[Any]) -> None:
+    """Until every one of ``processes`` has exited (60 s at most)."""
+    assert not wait_exit([p.pid for p in processes], 60.0), "a worker did not exit"
 
 
 def measure(ex: sharexec.SharedProcessPoolExecutor, fn: Any, *args: Any) -> None:

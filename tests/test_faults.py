@@ -21,7 +21,7 @@ from pathlib import Path
 
 import faults_plugin
 import pytest
-from conftest import assert_none_left, descendants, method_id, segments_now
+from conftest import assert_none_left, descendants, method_id, segments_now, wait_exit
 
 import sharexec
 
@@ -71,26 +71,6 @@ def started():
 def announce_sweeper():
     print("sweeper", _tracking._channel.sweeper_pid, flush=True)
 """
-
-
-def wait_exit(pids: list[int], timeout: float) -> list[int]:
-    """Wait until every pid has exited (or the timeout); return those still alive."""
-    fds = {}
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            fds[pid] = os.pidfd_open(pid)
-    try:
-        alive = dict(fds)
-        deadline = timeout
-        while alive and deadline > 0:
-            ready, _, _ = select.select(list(alive.values()), [], [], deadline)
-            if not ready:
-                break
-            alive = {p: fd for p, fd in alive.items() if fd not in ready}
-        return list(alive)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
 
 
 def alive(pid: int) -> bool:

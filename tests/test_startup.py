@@ -120,8 +120,8 @@ def test_a_user_initializer_runs_once_in_each_worker_started(
 
 
 def test_ctrl_c_while_workers_start_is_raised_once_they_are_counted(start_method, no_leaks):
-    # A KeyboardInterrupt in the middle of a start left a worker no one counted: it took
-    # the shutdown sentinel of another, whom loky then joined forever.
+    # A KeyboardInterrupt in the middle of a start left workers without the manager
+    # thread that stops them: the program hung at exit, joining them.
     # Ctrl-C raises KeyboardInterrupt, as in a program started from a terminal (pytest
     # started as a background job has SIGINT ignored).
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
