@@ -45,6 +45,12 @@ def held(ex: sharexec.SharedProcessPoolExecutor, check: bool = True) -> Iterator
     with get_context("spawn").Manager() as manager:
         go = manager.Event()
         blockers = [ex.submit(workers.block, go) for _ in range(2)]
+        # Running once in the call queue (no event tells when: looked at until then), so
+        # that a shutdown(cancel_futures=True) in the block cannot cancel them.
+        deadline = time.monotonic() + 60
+        while not all(b.running() or b.done() for b in blockers):
+            assert time.monotonic() < deadline, "the blockers never left the queue"
+            time.sleep(0.001)
         released = False
 
         def release() -> None:
