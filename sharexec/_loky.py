@@ -657,6 +657,12 @@ class BatchPolicy(Protocol):
         """The ``__reduce__`` value of ``batch``: how its calls travel."""
 
 
+class AlreadyDone(RuntimeError):
+    """Raised by pickling a call whose outcome was delivered while it waited in the
+    call queue's buffer (its future failed when a worker died, say): :func:`_feed`
+    drops such a call, and frees its slot, instead of failing its future again."""
+
+
 class CallBatch:
     """Queued calls sent in one message: their work ids and ``(fn, args)``, in order.
 
@@ -1152,7 +1158,8 @@ def _feed(
                 queue_sem.release()  # nothing of it went: its slot is free again
             else:
                 queue_sem.release()  # the item never went: its slot is free again
-                onerror(exc, item)  # fails that item's future (loky's _SafeQueue)
+                if not isinstance(exc, AlreadyDone):
+                    onerror(exc, item)  # fails that item's future (loky's _SafeQueue)
         del item
 
 
@@ -1160,16 +1167,19 @@ def _without_failures(item: Any, onerror: Callable[[BaseException, Any], None]) 
     """A batch that failed to pickle: each of its calls is pickled alone, and one that
     fails gets its own error (``onerror``); the others are returned as a call item again,
     to be sent in the batch's place (the same place in the call queue: the same slot of
-    its semaphore). None if every call failed (so is each call of a batch already made
-    of calls that each pickled alone: it failed anyway)."""
+    its semaphore). A call already done (:class:`AlreadyDone`) is dropped. None if no
+    call is left (so is each call of a batch already made of calls that each pickled
+    alone: it failed anyway)."""
     batch = item.args[0]
     ids, calls = [], []
     for work_id, (fn, args) in zip(batch.ids, batch.calls, strict=True):
         single = process_executor._CallItem(work_id, fn, args, _NO_KEYWORDS)
         try:
+            pickle.dumps(single, protocol=pickle.HIGHEST_PROTOCOL)
             if batch.checked:
                 raise RuntimeError("a batch whose calls pickled one by one failed to pickle")
-            pickle.dumps(single, protocol=pickle.HIGHEST_PROTOCOL)
+        except AlreadyDone:
+            continue  # its outcome is in: nothing to send, nothing to fail
         except BaseException as exc:
             onerror(exc, single)
         else:

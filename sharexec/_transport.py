@@ -46,6 +46,7 @@ import numpy as np
 from . import _tracking, _wire
 from ._arrays import recycling
 from ._config import Options
+from ._loky import AlreadyDone
 from ._reduction import Packed, Sink, argument_owner, dumps
 from ._segments import Mapping
 from ._warm import SegmentPool, pool_limit, pooled_everywhere
@@ -108,7 +109,7 @@ class Task:
     def __reduce__(self) -> Any:
         fn, args, kwargs = self.fn, self.args, self.kwargs or {}
         if fn is None or args is None:
-            raise RuntimeError("this task was already completed")
+            raise AlreadyDone("this task was already completed")
         transport = self.transport
         if self.sent:  # sent again (an initializer, for a new worker): as if submitted now
             self.number = transport.number()
@@ -239,7 +240,7 @@ class Transport:
         for task in tasks:
             fn, args, kwargs = task.fn, task.args, task.kwargs
             if fn is None or args is None:
-                raise RuntimeError("this task was already completed")
+                raise AlreadyDone("this task was already completed")
             at = index.get(id(fn))
             if at is None:
                 ref = self.functions.plain_ref(fn) if type(fn) is types.FunctionType else None

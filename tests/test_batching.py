@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, as_completed, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -31,7 +32,7 @@ import workers
 from conftest import wait_exit
 
 import sharexec
-from sharexec import _batching, _config
+from sharexec import _batching, _config, _loky
 from sharexec._transport import Task, Transport
 from sharexec._worker import run, run_batch
 
@@ -308,6 +309,87 @@ def test_a_call_that_cannot_be_pickled_fails_alone_in_its_batch(executor):
     error = bad.exception()
     assert isinstance(error, (pickle.PicklingError, TypeError)), error
     assert executor.statistics().tasks_batched > 0
+
+
+class _Done:
+    """An argument of a call whose outcome was delivered while it waited to be sent
+    (a worker died meanwhile): pickling it raises, as a released Task does."""
+
+    def __reduce__(self) -> Any:
+        raise _loky.AlreadyDone("this task was already completed")
+
+
+class _Policy:
+    """Reduces a batch as Transport does: refused if any of its calls is done."""
+
+    def reduce_batch(self, batch: _loky.CallBatch) -> Any:
+        if any(type(arg) is _Done for _, args in batch.calls for arg in args):
+            raise _loky.AlreadyDone("this task was already completed")
+        return list, (batch.ids,)
+
+
+def test_the_feeder_drops_calls_already_done_and_fails_only_the_unpicklable():
+    # The race seen once in six runs of the test above: a worker dies while a batch
+    # waits in the feeder's buffer; the manager fails its futures and releases its
+    # tasks; the feeder must then neither send them nor fail them again (a second
+    # set_exception raised InvalidStateError in the feeder thread).
+    call = _loky.process_executor._CallItem
+    policy = _Policy()
+    items = [
+        call(0, workers.identity, (_Done(),), {}),  # done, alone
+        call(
+            1,
+            None,
+            (
+                _loky.CallBatch(
+                    [1, 2], [(workers.identity, (_Done(),)), (workers.identity, (2,))], policy
+                ),
+            ),
+            {},
+        ),
+        call(
+            3,
+            None,
+            (
+                _loky.CallBatch(
+                    [3, 4],
+                    [(workers.identity, (_Done(),)), (workers.identity, (_Done(),))],
+                    policy,
+                ),
+            ),
+            {},
+        ),
+        call(5, workers.identity, (threading.Lock(),), {}),  # fails alone, as before
+    ]
+    buffer = deque([*items, _loky.mp_queues._sentinel])
+    sent: list[bytes] = []
+    failed: list[tuple[type, int]] = []
+    slots = threading.Semaphore(0)
+    closed = threading.Event()
+    feeder = threading.Thread(
+        target=_loky._feed,
+        args=(
+            buffer,
+            threading.Condition(),
+            sent.append,
+            threading.Lock(),
+            closed.set,
+            None,
+            False,
+            lambda exc, item: failed.append((type(exc), item.work_id)),
+            slots,
+        ),
+    )
+    feeder.start()
+    feeder.join(30)
+    assert closed.is_set()
+    assert [pickle.loads(data).args for data in sent] == [([2],)]  # the one call left
+    assert [work_id for _, work_id in failed] == [5]
+    assert not issubclass(failed[0][0], _loky.AlreadyDone)
+    freed = 0
+    while slots.acquire(blocking=False):
+        freed += 1
+    assert freed == 3  # the done call, the batch of done calls, the unpicklable call
 
 
 # ---------------------------------------------------------------------------------------

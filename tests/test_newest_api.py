@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as FuturesTimeoutError
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+import numpy as np
 import pytest
 import workers
 from conftest import method_id, segments_now
@@ -209,23 +210,34 @@ def test_terminate_and_kill_workers_as_the_stdlib_and_leave_nothing(
 
 
 def test_terminate_workers_sends_sigterm_and_kill_workers_sigkill(start_method, no_leaks):
-    for operation, signum in [("terminate_workers", signal.SIGTERM), ("kill_workers", 9)]:
-        threads = set(threading.enumerate())
-        ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
-        assert ex.submit(workers.identity, 1).result() == 1
-        processes = ex._pool_processes()
-        assert processes
-        threads = set(threading.enumerate()) - threads  # loky's manager and feeder
-        getattr(ex, operation)()
-        # The manager thread reaps the workers. Their exit codes are read after it has
-        # ended, never beside it: a forkserver child's code comes once, through a pipe,
-        # and a second reader at the same time gets 255.
-        for thread in threads:
-            thread.join(30)
-            assert not thread.is_alive()
-        for process in processes:
-            assert process.exitcode == -signum
-        ex.shutdown()
+    from multiprocessing import get_context
+
+    with get_context("spawn").Manager() as manager:
+        for operation, signum in [("terminate_workers", signal.SIGTERM), ("kill_workers", 9)]:
+            threads = set(threading.enumerate())
+            ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+            # Each worker busy in a call when the signal is sent, as in the standard
+            # library's own test: an idle worker may take the shutdown's sentinel and
+            # leave with 0 before the signal reaches it (seen under fork).
+            started, go = [manager.Event(), manager.Event()], manager.Event()
+            calls = [ex.submit(workers.wait_then_read, np.zeros(1), s, go) for s in started]
+            assert all(s.wait(60) for s in started)
+            processes = ex._pool_processes()
+            assert len(processes) == 2
+            threads = set(threading.enumerate()) - threads  # loky's manager and feeder
+            getattr(ex, operation)()
+            # The manager thread reaps the workers. Their exit codes are read after it
+            # has ended, never beside it: a forkserver child's code comes once, through a
+            # pipe, and a second reader at the same time gets 255.
+            for thread in threads:
+                thread.join(30)
+                assert not thread.is_alive()
+            for process in processes:
+                assert process.exitcode == -signum
+            for call in calls:
+                with pytest.raises(BrokenProcessPool):
+                    call.result(30)
+            ex.shutdown()
 
 
 def test_terminate_workers_of_an_executor_never_started_is_a_shutdown(start_method, no_leaks):
