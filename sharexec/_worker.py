@@ -619,13 +619,15 @@ class KeptMappings:
         ``now``, else those of segments freed meanwhile; return the time left until the
         mappings are idle long enough."""
         with self._lock:
-            idle = now - self.last_task
-            if idle >= self.idle_seconds:
+            # A deadline, not ``now - last_task``: idle_seconds after the last task is
+            # idle long enough, whatever the rounding of a large clock value.
+            deadline = self.last_task + self.idle_seconds
+            if now >= deadline:
                 self._kept.clear()
                 self._watch_removals(False)
                 return self.idle_seconds
         self.drop_unlinked()
-        return self.idle_seconds - idle
+        return deadline - now
 
     def _reusable(self, name: str, size: int) -> _Kept | None:
         """The kept mapping of ``name`` if it may serve a new task; else None (dropped)."""
