@@ -6,8 +6,6 @@ import gc
 import logging
 import os
 import secrets
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 import workers
 from loky import cpu_count
+from test_cli import sharexec_cli
 from test_lifetime import callbacks_done
 
 import sharexec
@@ -110,17 +109,6 @@ def test_segments_are_logged_and_nothing_printed(executor, caplog, capsys):
     assert out.out == "" and out.err == ""
 
 
-def _doctor(*flags: str) -> subprocess.CompletedProcess[str]:
-    run = subprocess.run(
-        [sys.executable, "-m", "sharexec", "doctor", *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 0, run.stderr
-    return run
-
-
 def _fake_name(what: str) -> str:
     """A segment name of no live process (a pid above Linux's pid_max default), unique to
     this test run: another checkout's suite may run the same test at the same time."""
@@ -136,10 +124,12 @@ def test_doctor_reports_and_cleans_stale_segments(no_leaks):
         hour_ago = time.time() - 3600  # unchanged for long: not a segment in flight
         os.utime(os.path.join(_segments.SHM_FOLDER, stale), (hour_ago, hour_ago))
         try:
-            run = _doctor()
+            run = sharexec_cli("doctor")
+            assert run.returncode == 0, run.stderr
             for topic in ("platform", "shared memory", "fallback folder", "start methods"):
                 assert topic in run.stdout
-            cleaned = _doctor("--clean")
+            cleaned = sharexec_cli("doctor", "--clean")
+            assert cleaned.returncode == 0, cleaned.stderr
             if stale not in run.stdout and stale not in _segments.listdir():
                 continue  # removed by another program before our doctor saw it
             assert stale in run.stdout and "WARNING" in run.stdout
