@@ -296,10 +296,13 @@ class Mpire(System):
     notes: ClassVar[dict[str, str]] = {"W4": "slices returned, assembled in the parent"}
 
     def start(self) -> None:
+        self.start_pool()
+        self.wait_ready()
+
+    def start_pool(self) -> None:
         from mpire import WorkerPool
 
         self.pool = WorkerPool(n_jobs=N_WORKERS, start_method=self.method, keep_alive=True)
-        self.wait_ready()
 
     def shutdown(self) -> None:
         self.pool.stop_and_join()
