@@ -11,13 +11,17 @@ the three systems take turns within each repetition:
 Workloads: W1, 8 calls of ``total`` on one 200 MB array; fill, one 200 MB array filled in
 16 slices (sharexec: a ``sharexec.zeros`` array the tasks write into; Dask: each task
 returns its slice, which the client copies into a NumPy array). Time is the wall time of
-the calls; memory the peak extra of client, scheduler (in the client process) and
-workers together, from ``bench/measure.py`` (private PSS plus /dev/shm files, each
-counted once). Medians of ``--reps`` repetitions.
+the calls, the median of ``--reps`` repetitions; memory the peak extra of client,
+scheduler (in the client process) and workers together, from ``bench/measure.py``
+(private PSS plus /dev/shm files, each counted once), in one more repetition: sampling
+reads every process's page tables every few ms, which would slow the timed ones (as in
+``run.py``), and not evenly (4 KiB pages of shared memory cost more to read than the
+huge pages of a heap).
 
-Then point 5: the memory of one 200 MB array held by both workers (``replicate``), with
-sharexec's blobs and with Dask's own scatter: /dev/shm files and each worker's resident
-and private memory, and what Dask's accounting (``managed`` memory) says.
+Then point 5: the memory of one 200 MB array held by both workers at once, sent with
+Dask's own scatter (``replicate``) and with sharexec's executor (a task on each worker,
+both over the array): /dev/shm files and each worker's resident and private memory, and
+what Dask's accounting (``managed`` memory) says.
 
 Run inside a private /dev/shm: ``PTEST_CMD="python bench/cluster_bench.py" /work/bin/ptest``
 (``--scale 0.25``: quarter-size arrays; ``--json PATH``: the figures, for the docs).
@@ -33,6 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -120,17 +125,25 @@ W1 = dict(zip(SYSTEMS, [w1_get_executor, w1_expert, w1_sharexec], strict=True))
 FILL = dict(zip(SYSTEMS, [fill_get_executor, fill_expert, fill_sharexec], strict=True))
 
 
-def measure(run: Callable[[], Any], check: Callable[[Any], bool]) -> tuple[float, int]:
+def timed(run: Callable[[], Any], check: Callable[[Any], bool]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    result = run()
+    elapsed = time.perf_counter() - start
+    assert check(result), "wrong result"
+    return elapsed
+
+
+def sampled(run: Callable[[], Any], check: Callable[[Any], bool]) -> int:
+    """The peak extra memory of one run."""
     from measure import MemorySampler
 
     gc.collect()
     with MemorySampler() as memory:
-        start = time.perf_counter()
         result = run()
-        elapsed = time.perf_counter() - start
     assert check(result), "wrong result"
     del result
-    return elapsed, memory.extra
+    return memory.extra
 
 
 # ---------------------------------------------------------------------------------------
@@ -164,13 +177,29 @@ def point5(client: Any, a: np.ndarray) -> dict[str, Any]:
     time.sleep(1.0)  # let the workers drop it before the next measure
     before = client.run(_worker_memory)
     shm0 = _shm_bytes()
+    import distributed
+
+    started = distributed.Queue(f"started-{os.urandom(4).hex()}", client=client)
+    gate = distributed.Event(f"gate-{os.urandom(4).hex()}", client=client)
     with sharexec.ClusterExecutor(client) as ex:
-        assert ex.submit(tasks.total, a).result() == a.sum()
-        (sent,) = ex._sent.values()
-        client.replicate([sent.future], n=2)
+        futures = [ex.submit(_hold, a, started.name, gate.name) for _ in range(2)]
+        pids = {started.get(timeout=60) for _ in futures}
+        assert len(pids) == 2, "both workers hold the array"
         after = client.run(_worker_memory)
         figures["sharexec"] = _held(before, after, _shm_bytes() - shm0)
+        gate.set()
+        assert [f.result() for f in futures] == [a.sum()] * 2
     return figures
+
+
+def _hold(a: np.ndarray, started: str, gate: str) -> float:
+    """A task that reads all of ``a``, then holds it until the gate opens."""
+    import distributed
+
+    total = float(a.sum())
+    distributed.Queue(started).put(os.getpid())
+    assert distributed.Event(gate).wait(timeout=60)
+    return total
 
 
 def _held(before: dict[str, Any], after: dict[str, Any], shm: int) -> dict[str, Any]:
@@ -188,8 +217,8 @@ def render(run: dict[str, Any]) -> str:
     """The docs' block of figures, from a run's results (``--json``)."""
     lines = [
         f"Load average at the start and end of the run: {run['load'][0]} and "
-        f"{run['load'][1]}; arrays of {run['n'] * 8 / 1e6:.0f} MB; medians of "
-        f"{run['reps']} repetitions.",
+        f"{run['load'][1]}; arrays of {run['n'] * 8 / 1e6:.0f} MB; times are medians of "
+        f"{run['reps']} repetitions, memory from one more, sampled.",
         "",
         "| workload | system | time (s) | peak extra memory (MB) |",
         "|---|---|---|---|",
@@ -201,9 +230,10 @@ def render(run: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"One {run['n'] * 8 / 1e6:.0f} MB array held by both workers of the host "
-        "(`client.replicate`), the change in each worker's memory and in sharexec's "
-        "`/dev/shm` files (MB):",
+        f"One {run['n'] * 8 / 1e6:.0f} MB array held by both workers of the host at once "
+        "(Dask: scattered, then `client.replicate`; sharexec: a task on each worker, both "
+        "reading it), the change in each worker's memory and in sharexec's `/dev/shm` "
+        "files (MB):",
         "",
         "| sent with | resident, per worker | private, per worker | Dask's managed, per "
         "worker | /dev/shm |",
@@ -270,31 +300,34 @@ def main() -> None:
         f"({n * 8 / MB:.0f} MB), {opts.reps} repetitions",
         flush=True,
     )
-    for rep in range(opts.reps):
+    runs = {
+        "W1": {
+            s: (partial_w1(W1[s], client, a), lambda r: np.allclose(r, expected)) for s in SYSTEMS
+        },
+        "fill": {
+            s: (partial(FILL[s], client, n, 16), lambda r: r[-1] == 15.0 and r[0] == 0.0)
+            for s in SYSTEMS
+        },
+    }
+    for rep in range(opts.reps + 1):  # the last one sampled, for memory
         for system in SYSTEMS:
-            t, m = measure(
-                partial_w1(W1[system], client, a),
-                lambda r: np.allclose(r, expected),
-            )
-            times["W1"][system].append(t)
-            peaks["W1"][system].append(m)
-            t, m = measure(
-                lambda system=system: FILL[system](client, n, 16),
-                lambda r: r[-1] == 15.0 and r[0] == 0.0,
-            )
-            times["fill"][system].append(t)
-            peaks["fill"][system].append(m)
-            print(
-                f"rep {rep} {system}: W1 {times['W1'][system][-1]:.2f} s, "
-                f"fill {times['fill'][system][-1]:.2f} s",
-                flush=True,
-            )
+            for workload, by_system in runs.items():
+                if rep < opts.reps:
+                    times[workload][system].append(timed(*by_system[system]))
+                else:
+                    peaks[workload][system].append(sampled(*by_system[system]))
+            if rep < opts.reps:
+                print(
+                    f"rep {rep} {system}: W1 {times['W1'][system][-1]:.2f} s, "
+                    f"fill {times['fill'][system][-1]:.2f} s",
+                    flush=True,
+                )
     rows = []
     print("\n| workload | system | time (s) | peak extra memory (MB) |\n|---|---|---|---|")
     for workload in ("W1", "fill"):
         for system in SYSTEMS:
             t = statistics.median(times[workload][system])
-            m = statistics.median(peaks[workload][system]) / MB
+            m = peaks[workload][system][0] / MB
             rows.append({"workload": workload, "system": system, "time_s": t, "memory_mb": m})
             print(f"| {workload} | {system} | {t:.2f} | {m:.0f} |")
     held = point5(client, a)

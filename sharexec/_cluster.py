@@ -21,13 +21,16 @@ Data flow, in the order a submitted call travels::
            < min_share_bytes                ─▶ in the payload
            an argument whose bytes were     ─▶ that blob (no hash: any moment between the
              hashed after this call's submit     call's submit and dispatch is its own)
+           all zeros (a fresh output)       ─▶ their length alone, in the task
            otherwise                        ─▶ its SHA-256: a blob already on the cluster
                                                with that digest, or scattered once now
-                                               (_HostBytes, client.scatter; _scatter)
+                                               (_HostBytes, client.scatter; _scatter); a
+                                               length no blob has is copied for this
+                                               host's workers as it is hashed (_hash)
     └─ client.submit(_run, payload, blobs, pure=False, key=<fn>-<token>-<n>)
   worker:   each blob a _HostBytes, one per host in a sharexec segment; the task gets a
-            copy-on-write mapping of it (writes stay its own); slots rebuilt from their
-            snapshots; fn(*args, **kwargs); what it changed in each slot, packed
+            copy-on-write mapping of it (writes stay its own), or fresh zeros; slots
+            rebuilt from their snapshots; fn(*args, **kwargs); what it changed in each slot, packed
   Dask's callback thread: the call is out of Dask (the next may go) ─▶ results thread:
             the outcome fetched and released on the cluster; the changed elements
             written into the shared arrays; then the future completes; its blobs are let
@@ -80,6 +83,8 @@ T = TypeVar("T")
 _PER_THREAD = 2
 # Hashed on several threads above this size (SHA-256 runs at about 1.4 GB/s a core).
 _HASH_PIECE = 32 << 20
+# Copied and hashed a step at a time (see _digest): a step stays in the cache between.
+_STEP = 1 << 20
 # How long shutdown(wait=True) waits for the cluster to forget this executor's blobs.
 _FORGET_TIMEOUT = 30.0
 
@@ -111,7 +116,18 @@ class _HostBytes:
     memory full), ``data`` holds the bytes in this process.
     """
 
-    __slots__ = ("__weakref__", "data", "digest", "held", "local", "name", "owner", "size")
+    __slots__ = (
+        "__weakref__",
+        "by_name",
+        "data",
+        "digest",
+        "held",
+        "local",
+        "name",
+        "owner",
+        "size",
+        "zeros",
+    )
 
     def __init__(
         self,
@@ -129,8 +145,31 @@ class _HostBytes:
         self.owner = owner
         self.held = held
         self.local = False  # the client's copy, for its host's workers: the name alone
+        self.zeros = False  # the bytes are all zeros: only their length travels
+        # The client's copy, in the tasks themselves where every worker is on the client's
+        # host: only the name travels, wherever it goes (the scheduler unpickles a task
+        # and pickles it again for a worker), and a task maps it by name.
+        self.by_name = False
+
+    @classmethod
+    def of_zeros(cls, size: int) -> _HostBytes:
+        """``size`` zero bytes (a fresh output, say): no copy anywhere, sent in the task."""
+        blob = cls(b"", size)
+        blob.zeros = True
+        return blob
+
+    @classmethod
+    def named(cls, digest: bytes, size: int, name: str) -> _HostBytes:
+        """The client's copy ``name`` of ``size`` bytes, mapped only by the task using it."""
+        blob = cls(digest, size, name=name)
+        blob.by_name = True
+        return blob
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.zeros:
+            return _HostBytes.of_zeros, (self.size,)
+        if self.by_name:
+            return _HostBytes.named, (self.digest, self.size, self.name)
         if self.local:
             return _arrive, (self.digest, self.size, _host(), self.name, None)
         buffer = self.data if self.name is None else self._mapped()
@@ -148,11 +187,18 @@ class _HostBytes:
 
     def private(self) -> Any:
         """A writable buffer of the bytes whose writes stay this caller's."""
+        if self.zeros:  # pages of zeros, each made when first written
+            return np.zeros(self.size, np.uint8)
         if self.name is None:
             return bytearray(self.data)
         try:
             return _tracking.attach_private(self.name, self.size)  # copy-on-write
-        except SegmentError:  # its owner on this host let it go: make this one the owner
+        except SegmentError as exc:  # its owner on this host let it go: make this one the owner
+            if self.by_name:
+                raise SegmentError(
+                    f"the client's copy of a {self.size}-byte argument, {self.name}, cannot "
+                    f"be mapped here: {exc}"
+                ) from exc
             with _here_lock:
                 if self.owner is None:
                     self._rehome()
@@ -201,25 +247,24 @@ def _arrive(
 
 def _copy_in(digest: bytes, size: int, buffer: Any) -> _HostBytes:
     """A worker's blob of ``buffer``'s bytes: in a segment of its own, held."""
+    data = memoryview(buffer).cast("B")
     try:
-        blob = _in_segment(digest, size, buffer)
+        name, owner = _in_segment(size, lambda write: write(0, data))
     except SegmentError:  # shared memory short: the bytes stay in this process
-        return _HostBytes(digest, size, data=bytes(memoryview(buffer).cast("B")))
-    blob.held = _tracking.attach_held(blob.name, size)  # type: ignore[arg-type]
-    return blob
+        return _HostBytes(digest, size, data=bytes(data))
+    return _HostBytes(digest, size, name=name, owner=owner, held=_tracking.attach_held(name, size))
 
 
-def _in_segment(digest: bytes, size: int, buffer: Any) -> _HostBytes:
-    """The bytes of ``buffer`` copied into a new segment this process owns, unmapped (the
-    pages written stay in the segment, in no process's resident set); SegmentError when
-    shared memory is short."""
-    mapping = _tracking.new_private(size)
-    target = np.frombuffer(mapping, np.uint8)
-    target[:] = np.frombuffer(buffer, np.uint8)
-    del target
-    blob = _HostBytes(digest, size, name=mapping.name, owner=mapping.owner)
+def _in_segment(size: int, content: _segments.Content) -> tuple[str, Any]:
+    """A new segment this process owns, holding what ``content`` writes: its name and its
+    owner. The bytes are written into the segment's file (each page allocated and filled
+    at once, about twice as fast as a copy through a fresh mapping) and never mapped here,
+    so they stay in no process's resident set. SegmentError when shared memory is short.
+    """
+    mapping = _tracking.new_private(size, content=content)
+    name, owner = mapping.name, mapping.owner
     mapping.close()
-    return blob
+    return name, owner
 
 
 def _sizeof(blob: _HostBytes) -> int:
@@ -241,16 +286,39 @@ def _register_sizeof() -> None:
         _sizeof_registered = True
 
 
-def _digest(data: memoryview) -> bytes:
-    """SHA-256 of the bytes (of pieces hashed on several threads, for large ones)."""
+def _zeros(data: memoryview) -> bool:
+    """Whether the bytes are all zeros, read a step at a time: other bytes are most often
+    found in the first step."""
+    values = np.frombuffer(data, np.uint8)
+    return not any(values[at : at + _STEP].any() for at in range(0, values.size, _STEP))
+
+
+def _digest(data: memoryview, write: Callable[[int, memoryview], None] | None = None) -> bytes:
+    """SHA-256 of the bytes (of pieces hashed on several threads, for large ones).
+
+    With ``write``, the bytes are also copied (``write(offset, step)``) a step at a time,
+    each step hashed after it is written, while it is still in the cache: one read of
+    the bytes from memory for both.
+    """
     n = data.nbytes
-    pieces = [data[i : i + _HASH_PIECE] for i in range(0, n, _HASH_PIECE)] or [data]
-    threads = min(len(pieces), os.cpu_count() or 1)
+
+    def piece(start: int) -> bytes:
+        end = min(start + _HASH_PIECE, n)
+        h = hashlib.sha256()
+        for at in range(start, end, _STEP):
+            step = data[at : min(at + _STEP, end)]
+            if write is not None:
+                write(at, step)
+            h.update(step)
+        return h.digest()
+
+    starts = range(0, max(n, 1), _HASH_PIECE)
+    threads = min(len(starts), os.cpu_count() or 1)
     if threads > 1:
         with ThreadPoolExecutor(threads, thread_name_prefix="sharexec-digest") as pool:
-            parts = list(pool.map(lambda p: hashlib.sha256(p).digest(), pieces))
+            parts = list(pool.map(piece, starts))
     else:
-        parts = [hashlib.sha256(p).digest() for p in pieces]
+        parts = [piece(start) for start in starts]
     return hashlib.sha256(b"".join(parts) + n.to_bytes(8, "little")).digest()
 
 
@@ -304,25 +372,31 @@ class _Packer(cloudpickle.Pickler):  # type: ignore[misc]
 # The worker's side of a call
 # ---------------------------------------------------------------------------------------
 
-# In the thread unpickling a call: the shared slots it rebuilt, e.g. [(0, snapshot, copy)].
+# In the thread unpickling a call: the shared slots it rebuilt, e.g. [(0, snapshot, copy)]
+# (slots), and the ids of the buffers of zeros it was given (zeros, e.g. {140213}).
 _unpacking = threading.local()
 
 
 def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
     """Rebuilt in the task: its own copy of a shared view's values at dispatch.
 
-    A snapshot sent as a blob is already the task's own (a copy-on-write mapping): the
-    task writes into it, and the values it started from are read from the blob's
-    segment. A small one, unpickled from the payload, is copied.
+    A snapshot sent as a blob is already the task's own (a copy-on-write mapping, or
+    zeros made for it): the task writes into it, and the values it started from are read
+    from the blob's segment (or are zeros). A small one, unpickled from the payload, is
+    copied.
     """
     mapping: Any = snapshot.base
-    while isinstance(mapping, (np.ndarray, memoryview)):  # numpy: ndarray, memoryview, ours
+    working: np.ndarray
+    # numpy: ndarray, memoryview, ours; or the zeros given
+    while isinstance(mapping, (np.ndarray, memoryview)) and id(mapping) not in _unpacking.zeros:
         mapping = mapping.base if isinstance(mapping, np.ndarray) else mapping.obj
-    if isinstance(mapping, _segments.Mapping) and mapping.private:
+    if id(mapping) in _unpacking.zeros:
+        before, working = np.zeros(snapshot.shape, snapshot.dtype), snapshot
+    elif isinstance(mapping, _segments.Mapping) and mapping.private:
         offset = snapshot.__array_interface__["data"][0] - mapping.address
         held = _tracking.attach_held(mapping.name, len(mapping))
         before = np.ndarray(snapshot.shape, snapshot.dtype, held, offset, snapshot.strides)
-        working: np.ndarray = snapshot
+        working = snapshot
     else:
         before, working = snapshot, snapshot.copy()
     _unpacking.slots.append((index, before, working))
@@ -359,13 +433,15 @@ class RemoteTraceback(Exception):
 def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
     """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", exception,
     traceback, changes)``, ``changes`` being what it changed of each shared slot."""
+    buffers = [b.private() for b in blobs]
     _unpacking.slots = []
+    _unpacking.zeros = {id(buffer) for b, buffer in zip(blobs, buffers, strict=True) if b.zeros}
     try:
-        fn, args, kwargs = pickle.loads(payload, buffers=[b.private() for b in blobs])
-        slots, _unpacking.slots = _unpacking.slots, []
+        fn, args, kwargs = pickle.loads(payload, buffers=buffers)
+        slots = _unpacking.slots
     finally:
-        _unpacking.slots = []
-    del blobs
+        _unpacking.slots, _unpacking.zeros = [], set()
+    del blobs, buffers
     try:
         outcome: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
     except Exception as exc:
@@ -395,15 +471,29 @@ def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any
 class _Sent:
     """A blob on the cluster: its Dask future, the calls holding it, and the objects
     whose bytes it holds (while one lives, a resubmit may find it again); ``copy``, the
-    client's copy of its bytes for the workers of its host (None: sent as bytes)."""
+    client's copy of its bytes for the workers of its host (None: sent as bytes).
 
-    __slots__ = ("calls", "copy", "future", "sources")
+    Where every worker shares the client's host, nothing is given to Dask (``future``
+    None): each task that uses the blob carries the copy's name itself (``given``).
+    """
 
-    def __init__(self, future: Any, copy: _HostBytes | None) -> None:
+    __slots__ = ("calls", "copy", "future", "size", "sources")
+
+    def __init__(self, future: Any, copy: _HostBytes | None, size: int) -> None:
         self.future = future
         self.copy = copy  # freed (its segment unlinked) with this record
+        self.size = size  # of the bytes, e.g. 200_000_000
         self.calls = 0
         self.sources: list[weakref.ref[Any]] = []
+
+    @property
+    def given(self) -> Any:
+        """What a task is given for the blob: its Dask future, or the copy's name."""
+        return self.copy if self.future is None else self.future
+
+    def release(self) -> None:
+        if self.future is not None:
+            self.future.release()
 
 
 class _Read:
@@ -432,7 +522,7 @@ class _Call:
     payload, the blobs it uses and the caller's shared views it was given.
     """
 
-    __slots__ = ("call", "digests", "fn_name", "future", "payload", "since", "slots")
+    __slots__ = ("blobs", "call", "fn_name", "future", "payload", "since", "slots")
 
     def __init__(self, future: Future[Any], call: tuple[Any, Any, Any], since: int) -> None:
         self.future = future
@@ -442,7 +532,9 @@ class _Call:
         # e.g. "total": in the task's key, for Dask's dashboard
         self.fn_name = name if isinstance(name, str) and name.isidentifier() else "call"
         self.payload = b""  # e.g. b"\x80\x05…": fn, args and kwargs, blobs left out
-        self.digests: list[bytes] = []  # the blobs it uses, in the payload's order
+        # The blobs it uses, in the payload's order: the digest of one sent to the
+        # cluster, or one that travels in the task (zeros).
+        self.blobs: list[bytes | _HostBytes] = []
         self.slots: list[np.ndarray] = []  # the caller's shared views it was given
 
     def arguments(self) -> list[Any]:
@@ -564,7 +656,8 @@ class ClusterExecutor(Executor):
         self._results = ThreadPoolExecutor(1, thread_name_prefix="sharexec-cluster-results")
         self._closer: threading.Thread | None = None  # see _start_closing
         self._threads = -2.0, 1  # (when counted, worker threads): refreshed each second
-        self._local: tuple[float, list[str]] = -2.0, []  # (when, workers of this host)
+        # (when, the workers of this host, whether they are all the cluster's workers)
+        self._local: tuple[float, list[str], bool] = -2.0, [], False
 
     @property
     def client(self) -> distributed.Client:
@@ -612,19 +705,36 @@ class ClusterExecutor(Executor):
             try:
                 self._pack(call)
                 with self._lock:
-                    blobs = [self._sent[d].future for d in call.digests]
+                    blobs = [
+                        self._sent[b].given if isinstance(b, bytes) else b for b in call.blobs
+                    ]
                 remote = self._client.submit(
                     _run,
                     call.payload,
                     blobs,
                     key=f"{call.fn_name}-{self._token}-{next(self._keys)}",
                     pure=False,
+                    **self._where(blobs),
                 )
             except BaseException as exc:  # unpicklable arguments, a closed client…
                 call.future.set_exception(exc)
                 self._finished(call, None)
                 continue
             remote.add_done_callback(partial(self._done, call))
+
+    def _where(self, blobs: list[Any]) -> dict[str, Any]:
+        """Where a task given ``blobs`` may run: a name of the client's copy in the task
+        itself can be mapped on this host alone (a worker joining from another host is
+        never given it)."""
+        if not any(isinstance(b, _HostBytes) and b.by_name for b in blobs):
+            return {}
+        local = self._local_workers()
+        if not local:
+            raise SegmentError(
+                "the workers of this host, for which this call's arrays were copied into "
+                "shared memory, have left the cluster"
+            )
+        return {"workers": local, "allow_other_workers": False}
 
     def _capacity(self) -> int:
         counted, threads = self._threads
@@ -646,10 +756,11 @@ class ClusterExecutor(Executor):
         arguments = call.arguments()
         call.call = None  # the arguments are read: let go of them
         call.payload = out.getvalue()
-        call.digests = [self._send(data, call, arguments) for data in buffers]
+        call.blobs = [self._send(data, call, arguments) for data in buffers]
 
-    def _send(self, data: memoryview, call: _Call, arguments: list[Any]) -> bytes:
-        """The digest of ``data``'s bytes, now on the cluster (sent unless they were)."""
+    def _send(self, data: memoryview, call: _Call, arguments: list[Any]) -> bytes | _HostBytes:
+        """The digest of ``data``'s bytes, now on the cluster (sent unless they were); or,
+        if they are all zeros, a blob that says so, to travel in the task."""
         source = data.obj
         address = _address(data)
         with self._lock:
@@ -665,17 +776,18 @@ class ClusterExecutor(Executor):
                 self._sent[read.digest].calls += 1
                 return read.digest
             at = next(self._clock)
-        digest = _digest(data)
+        if _zeros(data):
+            with self._lock:
+                self._now_holds(source, None)
+            return _HostBytes.of_zeros(data.nbytes)
+        digest, copy = self._hash(data)
         with self._lock:
             sent = self._sent.get(digest)
             if sent is None:
-                sent = self._sent[digest] = self._scatter(digest, data)
+                sent = self._sent[digest] = self._scatter(digest, data, copy)
                 self._bytes_sent += data.nbytes
             sent.calls += 1
-            for other, held in list(self._sent.items()):  # an object changed since: not
-                if other != digest:  # kept for it any more
-                    held.sources = [r for r in held.sources if r() is not source]
-                    self._maybe_release(other, held)
+            self._now_holds(source, digest)
             with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
                 if not any(ref() is source for ref in sent.sources):
                     sent.sources.append(weakref.ref(source, partial(self._source_gone, digest)))
@@ -685,39 +797,72 @@ class ClusterExecutor(Executor):
                     read.digest = digest
         return digest
 
-    def _scatter(self, digest: bytes, data: memoryview) -> _Sent:
+    def _now_holds(self, source: Any, digest: bytes | None) -> None:
+        """``source`` holds the bytes ``digest`` now (None: zeros), so no other blob is kept
+        for it any more (under self._lock)."""
+        for other, held in list(self._sent.items()):
+            if other != digest:
+                held.sources = [r for r in held.sources if r() is not source]
+                self._maybe_release(other, held)
+
+    def _hash(self, data: memoryview) -> tuple[bytes, tuple[str, Any] | None]:
+        """The digest of ``data``'s bytes; and the client's copy of them for the workers of
+        its host (name and owner of a segment, see _in_segment), written as they are
+        hashed, when they are sure to be sent: no blob of their length is on the cluster
+        (the digest covers the length), and workers share this host."""
+        with self._lock:
+            known = any(sent.size == data.nbytes for sent in self._sent.values())
+        if known or not self._local_workers():
+            return _digest(data), None
+        digests: list[bytes] = []
+        try:
+            copy = _in_segment(data.nbytes, lambda write: digests.append(_digest(data, write)))
+        except SegmentError:  # shared memory short: sent as bytes
+            return _digest(data), None
+        return digests[0], copy
+
+    def _scatter(self, digest: bytes, data: memoryview, copy: tuple[str, Any] | None) -> _Sent:
         """Put ``data``'s bytes on the cluster, as the blob ``digest`` (under self._lock).
 
         When workers share the client's host, the bytes are copied once into a segment
-        of the client's, and those workers get its name (the copy costs one memcpy, not
-        a trip through a socket per worker); a worker elsewhere gets them from one of
-        those. Otherwise they go to one worker as bytes (Dask moves them on).
+        of the client's (``copy``, if made already while hashing), and those workers get
+        its name (the copy costs one memcpy, not a trip through a socket per worker). If
+        they are all the cluster's workers, the name goes in each task that uses the
+        blob, and nothing goes to Dask. Otherwise Dask holds the blob: those workers get
+        the name, and a worker elsewhere gets the bytes from one of those. Without a
+        worker on the client's host, the bytes go to one worker (Dask moves them on).
         """
         key = f"{self._token}-blob-{next(self._keys)}"
-        local = self._local_workers()
-        copy = None
-        if local:
+        local, everyone = self._local_workers(), self._local[2]
+        if local and copy is None:
             with contextlib.suppress(SegmentError):  # shared memory short: as bytes
-                copy = _in_segment(digest, data.nbytes, data)
-        if copy is not None:
-            copy.local = True
-            blobs = self._client.scatter(
-                {key: copy}, hash=False, direct=self._direct, workers=local, broadcast=True
-            )
-        else:
-            blob = _HostBytes(digest, data.nbytes, data)
+                copy = _in_segment(data.nbytes, lambda write: write(0, data))
+        if not local or copy is None:  # (a copy made while hashing, for workers gone since,
+            blob = _HostBytes(digest, data.nbytes, data)  # is freed)
             blobs = self._client.scatter({key: blob}, hash=False, direct=self._direct)
-        return _Sent(blobs[key], copy)
+            return _Sent(blobs[key], None, data.nbytes)
+        name, owner = copy
+        mine = _HostBytes(digest, data.nbytes, name=name, owner=owner)
+        if everyone:
+            mine.by_name = True
+            return _Sent(None, mine, data.nbytes)
+        mine.local = True
+        # Broadcast: Dask would move the blob between the workers of this host as bytes.
+        blobs = self._client.scatter(
+            {key: mine}, hash=False, direct=self._direct, workers=local, broadcast=True
+        )
+        return _Sent(blobs[key], mine, data.nbytes)
 
     def _local_workers(self) -> list[str]:
-        """The addresses of the workers on the client's host (refreshed each second)."""
-        counted, workers = self._local
+        """The addresses of the workers on the client's host (refreshed each second); and,
+        in ``self._local``, whether they are all the cluster's."""
+        counted, workers, _ = self._local
         now = time.monotonic()
         if now - counted > 1.0:
             here = _host()
             hosts = self._client.run(_host)  # e.g. {"tcp://127.0.0.1:40123": "2f1c…"}
             workers = sorted(address for address, host in hosts.items() if host == here)
-            self._local = now, workers
+            self._local = now, workers, len(workers) == len(hosts)
         return workers
 
     def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
@@ -737,7 +882,7 @@ class ClusterExecutor(Executor):
         # Under self._lock. Kept while a call holds it or an object it came from lives.
         if sent.calls == 0 and (self._shut_down or all(r() is None for r in sent.sources)):
             del self._sent[digest]
-            sent.future.release()
+            sent.release()
 
     # -- results: in a Dask callback thread, then in the results thread -------------------
 
@@ -761,12 +906,11 @@ class ClusterExecutor(Executor):
             if remote is None:  # it never reached Dask
                 self._in_dask -= 1
             self._running.pop(call.future, None)
-            for digest in call.digests:
-                sent = self._sent.get(digest)
-                if sent is not None:
+            for blob in call.blobs:
+                if isinstance(blob, bytes) and (sent := self._sent.get(blob)) is not None:
                     sent.calls -= 1
-                    self._maybe_release(digest, sent)
-            call.digests = []
+                    self._maybe_release(blob, sent)
+            call.blobs = []
             self._changed.notify_all()
             idle = self._close_when_idle and not self._running and not self._queue
         if idle:  # shutdown(wait=False) was called
@@ -873,7 +1017,7 @@ class ClusterExecutor(Executor):
             sent, self._sent = list(self._sent.values()), {}
             self._read = {}
         for s in sent:
-            s.future.release()
+            s.release()
         if self._client.status == "running":
             self._await_forgotten()
         if self._owns_client:

@@ -378,9 +378,12 @@ def new_shared(
     return _registry.add(mapping)
 
 
-def new_private(size: int, spill_to: str | None = None) -> Mapping:
-    """A new segment to copy a private buffer into, owned by this process."""
-    mapping = _create(size, spill_to)
+def new_private(
+    size: int, spill_to: str | None = None, content: _segments.Content | None = None
+) -> Mapping:
+    """A new segment to copy a private buffer into, owned by this process; ``content``
+    writes its first bytes (see :func:`_segments.create`)."""
+    mapping = _create(size, spill_to, content)
     logger.debug("created copy segment %s (%d bytes)", mapping.name, size)
     return mapping
 

@@ -36,7 +36,7 @@ distributed = pytest.importorskip(
 
 from conftest import drop_warm_arrays, segments_now  # noqa: E402
 
-from sharexec import _cluster, _tracking  # noqa: E402
+from sharexec import _cluster, _segments, _tracking  # noqa: E402
 from sharexec.errors import SegmentError  # noqa: E402
 
 dask = pytest.importorskip("dask")
@@ -232,10 +232,11 @@ def test_wait_and_as_completed(ex):
 
 
 def blobs_held(client: Any, ex: sharexec.ClusterExecutor) -> int:
-    """The executor's blobs the client holds (it lets go at once, on its event loop; the
-    cluster follows)."""
+    """The executor's blobs: those the client holds on the cluster (it lets go at once, on
+    its event loop; the cluster follows), and the copies whose name it gives tasks."""
     client.sync(loop_turn)
-    return sum(f"{ex._token}-blob" in str(key) for key in client.futures)
+    by_name = sum(sent.future is None for sent in ex._sent.values())
+    return by_name + sum(f"{ex._token}-blob" in str(key) for key in client.futures)
 
 
 def bump_first(a: np.ndarray) -> float:
@@ -244,11 +245,39 @@ def bump_first(a: np.ndarray) -> float:
 
 
 def test_an_array_is_sent_once_and_each_task_writes_its_own_copy(ex, client):
-    a = np.zeros(2 * MiB // 8)
-    assert [ex.submit(bump_first, a).result() for _ in range(3)] == [1.0, 1.0, 1.0]
-    assert list(ex.map(bump_first, [a] * 4)) == [1.0] * 4
-    assert a[0] == 0.0  # the caller's array is untouched
+    a = np.ones(2 * MiB // 8)
+    assert [ex.submit(bump_first, a).result() for _ in range(3)] == [2.0, 2.0, 2.0]
+    assert list(ex.map(bump_first, [a] * 4)) == [2.0] * 4
+    assert a[0] == 1.0  # the caller's array is untouched
     assert ex._bytes_sent == a.nbytes  # seven calls, one send
+
+
+def test_zeros_travel_as_their_length_and_each_task_writes_its_own(ex, client):
+    a = np.zeros(2 * MiB // 8)
+    out = sharexec.zeros(2 * MiB // 8)
+    assert [ex.submit(bump_first, a).result() for _ in range(3)] == [1.0, 1.0, 1.0]
+    assert list(ex.map(bump_first, [a] * 2)) == [1.0] * 2
+    assert a[0] == 0.0  # the caller's array is untouched
+    assert ex.submit(write_every_other, out[2:], 0, 3.0).result() is None
+    assert not out[:2].any() and (out[2::2] == 3.0).all() and not out[3::2].any()
+    assert ex._bytes_sent == 0 and blobs_held(client, ex) == 0  # nothing sent, or held
+    a[-1] = 1.0  # no longer zeros: sent
+    assert ex.submit(np.sum, a).result() == 1.0
+    assert ex._bytes_sent == a.nbytes
+
+
+def test_bytes_are_hashed_the_same_when_copied_as_they_are_hashed():
+    data = memoryview(np.random.default_rng(2).integers(0, 256, 3 * MiB + 5, np.uint8))
+    copy = bytearray(len(data))
+
+    def write(offset: int, step: memoryview) -> None:
+        copy[offset : offset + len(step)] = step
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_cluster, "_HASH_PIECE", 2 * MiB)  # two pieces, on two threads
+        assert _cluster._digest(data, write) == _cluster._digest(data)
+    assert copy == data and _cluster._digest(data) != _cluster._digest(data[:-1])
+    assert _cluster._zeros(memoryview(bytes(3 * MiB))) and not _cluster._zeros(data)
 
 
 def test_a_changed_array_is_never_served_a_stale_copy(ex, client):
@@ -342,15 +371,15 @@ def test_writes_come_back_when_the_task_raises_and_tasks_see_a_snapshot(ex, clie
     with pytest.raises(KeyError):
         ex.submit(write_then_fail, a.T).result()  # a transposed view
     assert (a[:, [0, 3]] == -1.0).all() and np.array_equal(a[:, 1:3], [[1, 2], [5, 6], [9, 10]])
-    b = sharexec.zeros(MiB)  # 8 MB: its snapshot is sent as a blob
+    b = sharexec.share(np.full(MiB, 0.5))  # 8 MB: its snapshot is sent as a blob
     started = distributed.Queue(f"started-{os.urandom(4).hex()}", client=client)
     gate = distributed.Event(f"gate-{os.urandom(4).hex()}", client=client)
     future = ex.submit(read_wait_write, b, started.name, gate.name)
-    assert started.get(timeout=60) == 0.0  # the task has read its values
+    assert started.get(timeout=60) == 0.5 * MiB  # the task has read its values
     b[:] = 5.0  # the task does not see this: a snapshot, not live memory
     gate.set()
-    assert future.result() == 0.0
-    assert np.array_equal(b, np.ones(MiB))  # it changed every element, after me: it wins
+    assert future.result() == 0.5 * MiB
+    assert np.array_equal(b, np.full(MiB, 1.5))  # it changed every element, after me: it wins
 
 
 # ---------------------------------------------------------------------------------------
@@ -391,31 +420,37 @@ def blob_segment(key: str, dask_worker: Any = None) -> str | None:
     return None if blob is None else blob.name
 
 
-def rss_of_worker() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
+def segment_of_argument(a: np.ndarray, started: str, gate: str) -> tuple[int, str]:
+    """In a task: its worker's pid and the segment its argument maps, once the other
+    task of the test runs too (so the two run on the two workers)."""
+    distributed.Queue(started).put(os.getpid())
+    assert distributed.Event(gate).wait(timeout=60)
+    base: Any = a
+    while not isinstance(base, _segments.Mapping):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    return os.getpid(), base.name
 
 
 def test_workers_of_one_host_share_one_copy(ex, client):
     a = np.random.default_rng(1).random(8 * MiB // 8)
-    assert ex.submit(np.sum, a).result() == pytest.approx(a.sum())
-    (sent,) = ex._sent.values()
+    started = distributed.Queue(f"started-{os.urandom(4).hex()}", client=client)
+    gate = distributed.Event(f"gate-{os.urandom(4).hex()}", client=client)
+    futures = [ex.submit(segment_of_argument, a, started.name, gate.name) for _ in range(2)]
+    assert len({started.get(timeout=60) for _ in futures}) == 2  # both running: 2 workers
+    gate.set()
+    (first, name), (second, other) = (f.result() for f in futures)
     # The client copied it once into a segment of its own, and each worker of its host
-    # got that segment's name alone: both hold it before any moves it.
-    names = client.run(blob_segment, sent.future.key)
-    assert len(names) == 2 and len(set(names.values())) == 1 and None not in names.values()
-    (name,) = set(names.values())
-    assert name.startswith(f"sharexec-{os.getpid()}-")
-    assert len(pickle.dumps(sent.copy, protocol=5)) < 1000
+    # mapped that segment by name: every worker is on this host, so the name went in
+    # each task, and Dask holds nothing.
+    assert first != second and name == other and name.startswith(f"sharexec-{os.getpid()}-")
+    (sent,) = ex._sent.values()
+    assert sent.future is None and len(pickle.dumps(sent.copy, protocol=5)) < 1000
     assert [s for s in _shm_listing() if s[0] == name] == [(name, a.nbytes)]
-    client.replicate([sent.future], n=2)
-    assert client.run(blob_segment, sent.future.key) == names
-    # Dask counts the handle, not the bytes, for each worker holding it
     managed = client.run(lambda dask_worker: dask_worker.state.nbytes)
     assert sum(managed.values()) < a.nbytes // 8
     # the array is still a copy per task, whichever worker runs it
     assert list(ex.map(bump_first, [a] * 4)) == [a[0] + 1] * 4
+    assert ex._bytes_sent == a.nbytes
 
 
 def test_a_name_without_its_bytes_fails_clearly_where_it_cannot_be_mapped():
