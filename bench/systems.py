@@ -295,6 +295,10 @@ class Mpire(System):
     name = "mpire"
     notes: ClassVar[dict[str, str]] = {"W4": "slices returned, assembled in the parent"}
 
+    @classmethod
+    def method_note(cls, method: str) -> str:
+        return "its default, fork" if method == "default" else ""
+
     def start(self) -> None:
         self.start_pool()
         self.wait_ready()
@@ -302,7 +306,8 @@ class Mpire(System):
     def start_pool(self) -> None:
         from mpire import WorkerPool
 
-        self.pool = WorkerPool(n_jobs=N_WORKERS, start_method=self.method, keep_alive=True)
+        method = {} if self.method == "default" else {"start_method": self.method}
+        self.pool = WorkerPool(n_jobs=N_WORKERS, keep_alive=True, **method)
 
     def shutdown(self) -> None:
         self.pool.stop_and_join()
