@@ -61,7 +61,14 @@ from . import _tracking
 from ._batching import Batching
 from ._cluster import ClusterExecutor, chosen
 from ._config import Options
-from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context, warm_context
+from ._loky import (
+    FutureCondition,
+    LokyExecutor,
+    LokyFuture,
+    cpu_count,
+    get_context,
+    warm_context,
+)
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, RebuildFailure
 from ._worker import run, run_batch, run_chunk, run_initializer
@@ -244,6 +251,8 @@ class SharedProcessPoolExecutor(LokyExecutor):
         initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress())
         initializer = run_initializer
         self._sweeper_reached = False  # see submit
+        # One condition guards the state of every future of this executor (see LokyFuture).
+        self._new_future = partial(_Future, condition=FutureCondition())
         workers = cpu_count() if max_workers is None else max_workers
         # Queued calls of functions measured short travel together (see _batching);
         # not with max_tasks_per_child, which counts what a worker takes.
@@ -270,7 +279,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
         # The future is ours from the start (not loky's, as its submit would make): the
         # task is complete before the feeder thread can pickle it, and no more objects
         # than loky's own are left for the garbage collector per pending call.
-        future: Future[T] = self._submit(fn, args, _Future, kwargs)
+        future: Future[T] = self._submit(fn, args, self._new_future, kwargs)
         return future
 
     def _submit(
@@ -676,8 +685,8 @@ class _Future(LokyFuture):
     No reference to the executor, so that a future never keeps it alive.
     """
 
-    def __init__(self, task: Task) -> None:
-        super().__init__()
+    def __init__(self, task: Task, condition: FutureCondition | None = None) -> None:
+        super().__init__(condition)
         self.task: Task | None = task  # until released
 
     def set_result(self, result: Any) -> None:

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, as_completed, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from multiprocessing import get_context
@@ -238,13 +239,21 @@ def test_a_batch_streams_the_outcomes_before_a_call_that_blocks(executor):
     assert executor.statistics().tasks_batched > 0
 
 
-def test_as_completed_sees_results_as_they_come(executor):
-    measure(executor, workers.add, 1, 1)
+@contextmanager
+def long_and_short(ex: sharexec.SharedProcessPoolExecutor) -> Iterator[tuple[Any, Any, list[Any]]]:
+    """A call that blocks until ``go.set()``, then 1,000 short ones, queued together
+    behind the held workers (so they travel in batches): yields (go, long, short)."""
+    measure(ex, workers.add, 1, 1)
     with get_context("spawn").Manager() as manager:
         go = manager.Event()
-        with held(executor):
-            long_call = executor.submit(workers.block, go)
-            short = [executor.submit(workers.add, i, 0) for i in range(1000)]
+        with held(ex):
+            long_call = ex.submit(workers.block, go)
+            short = [ex.submit(workers.add, i, 0) for i in range(1000)]
+        yield go, long_call, short
+
+
+def test_as_completed_sees_results_as_they_come(executor):
+    with long_and_short(executor) as (go, long_call, short):
         seen = []
         for future in as_completed([long_call, *short], timeout=60):
             seen.append(future)
@@ -254,6 +263,55 @@ def test_as_completed_sees_results_as_they_come(executor):
         go.set()
         assert long_call.result() is True
     assert executor.statistics().tasks_batched > 0
+
+
+def test_a_thread_waiting_on_one_future_is_not_woken_by_the_others(executor):
+    """The futures of one executor share a condition (one object fewer per call): a
+    thread waiting on one of them waits for that one, while a thousand others finish."""
+    with long_and_short(executor) as (go, long_call, short):
+        assert long_call._condition is short[0]._condition
+        outcome: list[Any] = []
+        waiting = threading.Thread(target=lambda: outcome.append(long_call.result()))
+        waiting.start()
+        assert [f.result(timeout=60) for f in short] == list(range(1000))
+        with pytest.raises(FutureTimeout):
+            long_call.result(timeout=0.01)
+        with pytest.raises(FutureTimeout):
+            long_call.exception(timeout=0.01)
+        assert waiting.is_alive() and outcome == []
+        go.set()
+        waiting.join(timeout=60)
+        assert outcome == [True] and long_call.exception() is None
+
+
+def test_futures_sharing_a_condition_keep_the_standard_semantics():
+    condition = _loky.FutureCondition()
+    a, b, c = (_loky.LokyFuture(condition) for _ in range(3))
+    assert a._waiters_made is None and a._callbacks_made is None  # made when asked for
+    called: list[Any] = []
+    a.add_done_callback(called.append)
+    done, pending = wait([a, b], timeout=0)
+    assert not done and pending == {a, b}
+    assert b.set_running_or_notify_cancel() and not b.cancel() and b.running()
+    assert c.cancel() and c.cancel() and c.cancelled()
+    assert not c.set_running_or_notify_cancel()
+    with pytest.raises(CancelledError):
+        c.result()
+    b.set_exception(KeyError("b"))
+    with pytest.raises(KeyError):
+        b.result()
+    assert isinstance(b.exception(), KeyError)
+    with pytest.raises(_loky.futures_base.InvalidStateError):
+        b.set_result(1)
+    finished = []
+    waiter = threading.Thread(target=lambda: finished.extend(as_completed([a, b], timeout=60)))
+    waiter.start()
+    a.set_result(7)
+    waiter.join(timeout=60)
+    assert set(finished) == {a, b} and a.result() == 7 and called == [a]
+    assert a.done() and not a.cancel() and a.exception() is None
+    with pytest.raises(RuntimeError, match="unexpected state"):
+        a.set_running_or_notify_cancel()
 
 
 def test_the_estimate_goes_up_at_once_and_down_slowly():
