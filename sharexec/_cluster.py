@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import cloudpickle
 import numpy as np
 
-from . import _segments, _tracking
+from . import _segments, _tracking, _worker
 from ._arrays import byte_bounds
 from ._config import Options
 from .errors import SegmentError
@@ -191,14 +191,17 @@ class _HostBytes:
             return np.zeros(self.size, np.uint8)
         if self.name is None:
             return bytearray(self.data)
-        try:
-            return _tracking.attach_private(self.name, self.size)  # copy-on-write
-        except SegmentError as exc:  # its owner on this host let it go: make this one the owner
-            if self.by_name:
+        if self.by_name:  # copy-on-write, the mapping kept for the next task if unwritten
+            try:
+                return _worker.kept.hold_copy(self.name, self.size, watch=True)
+            except SegmentError as exc:
                 raise SegmentError(
                     f"the client's copy of a {self.size}-byte argument, {self.name}, cannot "
                     f"be mapped here: {exc}"
                 ) from exc
+        try:
+            return _tracking.attach_private(self.name, self.size)  # copy-on-write
+        except SegmentError:  # its owner on this host let it go: make this one the owner
             with _here_lock:
                 if self.owner is None:
                     self._rehome()
@@ -433,6 +436,8 @@ class RemoteTraceback(Exception):
 def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
     """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", exception,
     traceback, changes)``, ``changes`` being what it changed of each shared slot."""
+    _worker.kept.drop_unlinked()  # the mappings kept of copies the client let go of
+    kept = [b.name for b in blobs if b.by_name and b.name is not None]
     buffers = [b.private() for b in blobs]
     _unpacking.slots = []
     _unpacking.zeros = {id(buffer) for b, buffer in zip(blobs, buffers, strict=True) if b.zeros}
@@ -456,6 +461,8 @@ def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
         outcome = ("error", exc, tb)
     del fn, args, kwargs
     changes = [(index, _changes(before, after)) for index, before, after in slots]
+    del slots
+    _worker.kept.after_task(kept)  # unwritten and no view left: the next task reuses them
     return (*outcome, [c for c in changes if c[1] is not None])
 
 
@@ -1047,9 +1054,14 @@ def _worker_holds(token: str, dask_worker: Any = None) -> int:
 
 
 def _write_back(view: np.ndarray, change: Any) -> None:
-    """Write a task's changes into the caller's shared view."""
+    """Write a task's changes into the caller's shared view (every page of a view written
+    whole mapped at once first: a fresh output's pages are not mapped in this process)."""
     mask, values = change
     if mask is None:
+        found = _tracking.find_shared(*byte_bounds(view))
+        if found is not None:
+            low, high = byte_bounds(view)
+            _segments.populate(found[0], found[1], high - low)
         view[...] = values
     else:
         view[np.unpackbits(mask, count=view.size).view(bool).reshape(view.shape)] = values

@@ -49,6 +49,7 @@ __all__ = [
     "listdir",
     "new_folder",
     "new_name",
+    "populate",
     "removals",
     "unlink",
     "written",
@@ -121,6 +122,26 @@ def _map(fd: int, name: str, size: int, private: bool, populate: bool = False) -
     mapping.owner = None
     mapping.private = private
     return mapping
+
+
+# madvise(2): map every page of a range for writing, in one call (Linux 5.14 and later;
+# not in the mmap module before Python 3.14).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else 0)
+
+
+def populate(mapping: Mapping, offset: int, length: int) -> None:
+    """Map every page of ``[offset, offset + length)`` of a shared ``mapping`` for writing,
+    in one call: about 40 ms per 200 MB, where writing through pages not mapped yet takes
+    a fault per page (130 ms more, here). Does nothing where the kernel cannot (before
+    Linux 5.14, other systems): the writes then fault as before.
+    """
+    if not _MADV_POPULATE_WRITE or length <= 0:
+        return
+    start = offset - offset % mmap.PAGESIZE
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(
+            _MADV_POPULATE_WRITE, start, min(length + offset - start, len(mapping) - start)
+        )
 
 
 def _address(mapping: Mapping) -> int:

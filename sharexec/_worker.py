@@ -538,13 +538,20 @@ class KeptMappings:
 
     # -- what tasks call -----------------------------------------------------------------
 
-    def hold_copy(self, name: str, size: int) -> Any:
+    def hold_copy(self, name: str, size: int, watch: bool = False) -> Any:
         """A new holder of the bytes of the copy segment ``name`` for one task: a byte
-        array over a kept mapping of it if one may be reused, else over a fresh one, kept."""
+        array over a kept mapping of it if one may be reused, else over a fresh one, kept.
+
+        With ``watch``, removals are watched while it is kept, as for shared arrays: its
+        owner may free it while this process is idle (a cluster worker's copy of the
+        client's, freed when the client lets go of it), and its memory goes at once.
+        """
         import numpy as np  # a call with a buffer: NumPy is needed for it (or loaded already)
 
         with self._lock:
             self.last_task = time.monotonic()  # first: the dropping thread may start below
+            if watch:
+                self._watch_removals(True)
             entry = self._reusable(name, max(size, 1))
         if entry is None:
             entry = _Kept(_tracking.attach_private(name, size))

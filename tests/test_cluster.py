@@ -36,7 +36,7 @@ distributed = pytest.importorskip(
 
 from conftest import drop_warm_arrays, segments_now  # noqa: E402
 
-from sharexec import _cluster, _segments, _tracking  # noqa: E402
+from sharexec import _cluster, _segments, _tracking, _worker  # noqa: E402
 from sharexec.errors import SegmentError  # noqa: E402
 
 dask = pytest.importorskip("dask")
@@ -451,6 +451,43 @@ def test_workers_of_one_host_share_one_copy(ex, client):
     # the array is still a copy per task, whichever worker runs it
     assert list(ex.map(bump_first, [a] * 4)) == [a[0] + 1] * 4
     assert ex._bytes_sent == a.nbytes
+
+
+def mapped_before_reading(a: np.ndarray) -> tuple[int, int, float]:
+    """In a task: its worker's pid, how many pages of its argument's mapping were mapped
+    before it read them (all: a mapping kept from an earlier task; none: a fresh one),
+    and their sum."""
+    from test_kept import _pages_mapped
+
+    base: Any = a
+    while not isinstance(base, _segments.Mapping):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    return os.getpid(), _pages_mapped(base, 0, len(base)), float(a.sum())
+
+
+def kept_in_worker() -> int:
+    """In a worker: the mappings it keeps, less those of segments gone (as a task does)."""
+    _worker.kept.drop_unlinked()
+    return len(_worker.kept._kept)
+
+
+def test_a_worker_reuses_its_mapping_of_a_copy_until_a_task_writes_into_it(ex, client):
+    a = np.random.default_rng(3).random(2 * MiB // 8)
+    pages = a.nbytes // os.sysconf("SC_PAGE_SIZE")
+    runs = [ex.submit(mapped_before_reading, a).result() for _ in range(6)]
+    first: dict[int, int] = {}
+    for pid, mapped, total in runs:
+        assert total == a.sum()
+        assert mapped == (pages if pid in first else 0)  # fresh, then kept and reused
+        first.setdefault(pid, mapped)
+    assert list(ex.map(bump_first, [a] * 4)) == [a[0] + 1] * 4  # they write: not reused
+    after: dict[int, int] = {}
+    for _ in range(4):
+        pid, mapped, _ = ex.submit(mapped_before_reading, a).result()
+        after.setdefault(pid, mapped)
+    assert set(after.values()) == {0}  # each worker's first mapping after the writes is new
+    ex.shutdown(wait=True)  # the client frees its copy: the workers drop their mappings
+    assert set(client.run(kept_in_worker).values()) == {0}
 
 
 def test_a_name_without_its_bytes_fails_clearly_where_it_cannot_be_mapped():

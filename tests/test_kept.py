@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -146,6 +147,34 @@ def test_written_tells_the_pages_this_process_wrote():
     private[len(private) - 1] = 2
     assert _segments.written(private)
     private.close()
+
+
+def _pages_mapped(mapping: _segments.Mapping, offset: int, length: int) -> int:
+    """How many pages of the range this process has mapped now (/proc/self/pagemap)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = mapping.address + offset
+    first, last = start // page, (start + length - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's pagemap")
+def test_populate_maps_a_range_for_writing_in_one_call():
+    page = os.sysconf("SC_PAGE_SIZE")
+    mapping = _tracking.new_shared(64 * page)  # reserved, not mapped here yet
+    try:
+        assert _pages_mapped(mapping, 0, len(mapping)) == 0
+        _segments.populate(mapping, 3 * page + 100, 10 * page)  # from inside a page
+        release = tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2])
+        if _segments._MADV_POPULATE_WRITE and release >= (5, 14):
+            assert _pages_mapped(mapping, 0, len(mapping)) == 11  # pages 3 to 13
+            assert _pages_mapped(mapping, 3 * page, 11 * page) == 11
+        _segments.populate(mapping, 60 * page, 100 * page)  # clipped at the end
+        assert bytes(mapping[:]) == bytes(len(mapping))  # still zeros, all of it
+    finally:
+        mapping.close()
 
 
 def test_a_kept_mapping_is_reused_only_unwritten_and_with_no_view_left(kept):
