@@ -9,6 +9,7 @@ so that ``nox -s bench`` does not stop halfway through a long run (it did: mpire
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -16,8 +17,16 @@ import sys
 
 import pytest
 
-for _module in ("joblib", "mpire", "psutil", "matplotlib"):
-    pytest.importorskip(_module, reason="the bench's peers: pip install sharexec[bench]")
+# Looked for, not imported: joblib, imported, registers its own copy of loky's context as
+# the start method "loky", which the tests of plain processes after this one would get.
+_missing = [
+    m for m in ("joblib", "mpire", "psutil", "matplotlib") if not importlib.util.find_spec(m)
+]
+if _missing:
+    pytest.skip(
+        f"the bench's peers and instruments: pip install sharexec[bench] ({', '.join(_missing)})",
+        allow_module_level=True,
+    )
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
