@@ -32,7 +32,8 @@ Data flow, in the order a submitted call travels::
             copy-on-write mapping of it (writes stay its own), or fresh zeros; slots
             rebuilt from their snapshots; fn(*args, **kwargs); what it changed in each slot, packed
   Dask's callback thread: the call is out of Dask (the next may go) ─▶ results thread:
-            the outcome fetched and released on the cluster; the changed elements
+            the outcome fetched (with those of the calls finished meanwhile, in one
+            round trip) and released on the cluster; the changed elements
             written into the shared arrays; then the future completes; its blobs are let
             go of (released when no call holds them and no object they came from lives)
 
@@ -661,6 +662,9 @@ class ClusterExecutor(Executor):
         # Fetches results and writes changes back, in the order the calls finish, so that
         # neither Dask's one callback thread nor the dispatcher waits for that.
         self._results = ThreadPoolExecutor(1, thread_name_prefix="sharexec-cluster-results")
+        # The calls finished on the cluster whose outcome the results thread has not
+        # taken yet, in the order they finished, e.g. [(<_Call>, <Future: finished>)].
+        self._arrived: list[tuple[_Call, Any]] = []
         self._closer: threading.Thread | None = None  # see _start_closing
         self._threads = -2.0, 1  # (when counted, worker threads): refreshed each second
         # (when, the workers of this host, whether they are all the cluster's workers)
@@ -898,15 +902,27 @@ class ClusterExecutor(Executor):
         with self._lock:
             self._in_dask -= 1
             self._changed.notify_all()
-        self._results.submit(self._collect, call, remote)
+            self._arrived.append((call, remote))
+        self._results.submit(self._collect)
 
-    def _collect(self, call: _Call, remote: Any) -> None:
-        """In the results thread: deliver a call's outcome, then free what it held."""
-        try:
-            self._deliver(call, remote)
-        finally:
-            remote.release()  # (done already, unless delivering failed)
-            self._finished(call, remote)
+    def _collect(self) -> None:
+        """In the results thread: deliver the outcomes of the calls finished so far, in
+        the order they finished, then free what they held. Their results are fetched
+        together: one round trip, from every worker holding one at once."""
+        with self._lock:
+            ready, self._arrived = self._arrived, []
+        fetched: dict[str, Any] = {}
+        finished = [remote for _, remote in ready if remote.status == "finished"]
+        if len(finished) > 1:
+            with contextlib.suppress(Exception):  # (then each alone, with its own error)
+                outcomes = self._client.gather(finished, direct=self._direct)
+                fetched = {r.key: o for r, o in zip(finished, outcomes, strict=True)}
+        for call, remote in ready:
+            try:
+                self._deliver(call, remote, fetched.pop(remote.key, _NOT_FETCHED))
+            finally:
+                remote.release()  # (done already, unless delivering failed)
+                self._finished(call, remote)
 
     def _finished(self, call: _Call, remote: Any) -> None:
         with self._lock:
@@ -923,11 +939,13 @@ class ClusterExecutor(Executor):
         if idle:  # shutdown(wait=False) was called
             self._start_closing()
 
-    def _deliver(self, call: _Call, remote: Any) -> None:
+    def _deliver(self, call: _Call, remote: Any, outcome: Any) -> None:
+        """Complete the call's future: with ``outcome``, the task's, or fetched now."""
         future = call.future
         try:
             if remote.status == "finished":
-                outcome = self._client.gather(remote, direct=self._direct)  # as blobs go
+                if outcome is _NOT_FETCHED:
+                    outcome = self._client.gather(remote, direct=self._direct)  # as blobs go
                 remote.release()  # the result leaves the cluster before the future is done
             else:  # our wrapper failed (unpickling the call), or the cluster did
                 error = remote.exception()
@@ -1041,6 +1059,9 @@ class ClusterExecutor(Executor):
             if not held:
                 return
             time.sleep(0.02)  # the workers forget a moment after the scheduler tells them
+
+
+_NOT_FETCHED = object()  # a finished call's outcome, not fetched with others'
 
 
 def _scheduler_holds(token: str, dask_scheduler: Any = None) -> int:
