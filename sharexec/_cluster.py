@@ -41,9 +41,10 @@ Where workers share the client's host, the client copies a blob's bytes once int
 segment of its own and sends those workers its name alone. On any other host, the first
 worker to receive a blob copies it into a segment it owns; a worker on the same host
 that receives it from that one maps the segment by name instead of keeping what it
-received. Every such segment is tracked and swept as any sharexec segment. A worker maps
-a blob's pages only while a task uses them, so no worker's resident memory counts them
-between tasks, and Dask's ``sizeof`` of a blob is its handle's.
+received. Every such segment is tracked and swept as any sharexec segment. A task maps a
+blob copy-on-write through the worker's kept mappings (reused by the next task while no
+task wrote into it): its pages are the segment's, shared, never the worker's private
+memory, and Dask's ``sizeof`` of a blob is its handle's.
 """
 
 from __future__ import annotations
@@ -187,26 +188,27 @@ class _HostBytes:
             return self.held
 
     def private(self) -> Any:
-        """A writable buffer of the bytes whose writes stay this caller's."""
+        """A writable buffer of the bytes whose writes stay this caller's: of bytes in a
+        segment, a copy-on-write mapping, kept for this process's next task while no task
+        wrote into it (the local workers' KeptMappings; dropped once the segment goes)."""
         if self.zeros:  # pages of zeros, each made when first written
             return np.zeros(self.size, np.uint8)
         if self.name is None:
             return bytearray(self.data)
-        if self.by_name:  # copy-on-write, the mapping kept for the next task if unwritten
-            try:
-                return _worker.kept.hold_copy(self.name, self.size, watch=True)
-            except SegmentError as exc:
+        try:
+            return _worker.kept.hold_copy(self.name, self.size, watch=True)
+        except SegmentError as exc:
+            if self.by_name:
                 raise SegmentError(
                     f"the client's copy of a {self.size}-byte argument, {self.name}, cannot "
                     f"be mapped here: {exc}"
                 ) from exc
-        try:
-            return _tracking.attach_private(self.name, self.size)  # copy-on-write
-        except SegmentError:  # its owner on this host let it go: make this one the owner
-            with _here_lock:
-                if self.owner is None:
-                    self._rehome()
-            return _tracking.attach_private(self.name, self.size)
+        with _here_lock:  # its owner on this host let it go: make this one the owner
+            if self.owner is None:
+                self._rehome()
+        if self.name is None:  # shared memory short: the bytes are in this process
+            return bytearray(self.data)
+        return _worker.kept.hold_copy(self.name, self.size, watch=True)
 
     def _rehome(self) -> None:
         """Copy the bytes held into a segment of this process's (under _here_lock)."""
@@ -437,9 +439,9 @@ class RemoteTraceback(Exception):
 def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
     """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", exception,
     traceback, changes)``, ``changes`` being what it changed of each shared slot."""
-    _worker.kept.drop_unlinked()  # the mappings kept of copies the client let go of
-    kept = [b.name for b in blobs if b.by_name and b.name is not None]
+    _worker.kept.drop_unlinked()  # the mappings kept of segments freed since
     buffers = [b.private() for b in blobs]
+    kept = [b.name for b in blobs if b.name is not None]  # mapped through KeptMappings
     _unpacking.slots = []
     _unpacking.zeros = {id(buffer) for b, buffer in zip(blobs, buffers, strict=True) if b.zeros}
     try:
@@ -1079,9 +1081,9 @@ def _write_back(view: np.ndarray, change: Any) -> None:
     whole mapped at once first: a fresh output's pages are not mapped in this process)."""
     mask, values = change
     if mask is None:
-        found = _tracking.find_shared(*byte_bounds(view))
+        low, high = byte_bounds(view)
+        found = _tracking.find_shared(low, high)
         if found is not None:
-            low, high = byte_bounds(view)
             _segments.populate(found[0], found[1], high - low)
         view[...] = values
     else:
