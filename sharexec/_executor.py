@@ -70,7 +70,7 @@ from ._loky import (
     warm_context,
 )
 from ._transport import Task, Transport, pooled_everywhere
-from ._wire import Delivered, RebuildFailure
+from ._wire import Delivered, Failure
 from ._worker import run, run_batch, run_chunk, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
@@ -587,7 +587,7 @@ class _Slot:
             return True
 
     def set_result(self, result: Any) -> None:
-        if type(result) is RebuildFailure:
+        if type(result) is Failure:
             self.set_exception(result.error)
         elif type(result) is Delivered:
             self._release(result)
@@ -690,7 +690,7 @@ class _Future(LokyFuture):
         self.task: Task | None = task  # until released
 
     def set_result(self, result: Any) -> None:
-        if type(result) is RebuildFailure:
+        if type(result) is Failure:
             self.set_exception(result.error)
         elif type(result) is Delivered:
             self._release(result)

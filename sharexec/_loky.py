@@ -118,7 +118,7 @@ __all__ = [
     "cpu_count",
     "get_context",
     "note_run_seconds",
-    "remote_exception",
+    "remote_traceback",
     "send_outcome",
     "warm_context",
 ]
@@ -143,7 +143,7 @@ def _problems() -> list[str]:
         # LokyExecutor: submit on loky's state, the pool's state, the queue swap, and
         # the quiet recycling.
         *_has(pe, "_WorkItem", "_ThreadWakeup.wakeup", "_global_shutdown"),
-        *_has(pe, "_ThreadWakeup.clear", "_ExceptionWithTraceback", "_ExecutorManagerThread"),
+        *_has(pe, "_ThreadWakeup.clear", "_RemoteTraceback", "_ExecutorManagerThread"),
         *_has(
             pe,
             "ProcessPoolExecutor._setup_queues",
@@ -184,7 +184,7 @@ def _problems() -> list[str]:
         *_uses(pe, "_ExecutorManagerThread.wait_result_broken_or_wakeup", "clear"),
         *_uses(pe, "_ExecutorManagerThread._run_loop", "wait_result_broken_or_wakeup"),
         *_assigns(pe, "_ExecutorManagerThread", "thread_wakeup"),
-        *_takes(pe, "_ExceptionWithTraceback.__init__", "self", "exc"),
+        *_takes(pe, "_RemoteTraceback.__init__", "self", "tb"),
         *_takes(
             pe,
             "_process_worker",
@@ -693,25 +693,20 @@ class CallBatch:
 
 
 class BatchOutcome(list):  # type: ignore[type-arg]
-    """What a worker sends back for a batch: ``(work_id, failed, value, seconds)`` per
-    call, in order; ``value`` is the result, or the exception raised (as loky sends
-    it: with the worker's traceback as its ``__cause__``). ``failed``: whether any call
-    raised (then it is pickled as loky pickles exceptions)."""
+    """What a worker sends back for a batch: ``(work_id, outcome, seconds)`` per call, in
+    order; ``outcome`` is what the call sent alone would send as its result (a task's
+    exception too travels as such a value, which the future raises: ``_worker.run``).
+    Pickled by plain pickle: every outcome is made to pickle."""
 
-    failed = False
-
-    def add(self, work_id: int, value: Any, seconds: float) -> None:
-        self.append((work_id, False, value, seconds))
-
-    def add_failure(self, work_id: int, exc: BaseException, seconds: float) -> None:
-        self.append((work_id, True, remote_exception(exc), seconds))
-        self.failed = True
+    def add(self, work_id: int, outcome: Any, seconds: float) -> None:
+        self.append((work_id, outcome, seconds))
 
 
-def remote_exception(exc: BaseException) -> Any:
-    """``exc`` as loky sends a task's exception: rebuilt in the parent with the worker's
-    traceback as its ``__cause__``."""
-    return process_executor._ExceptionWithTraceback(exc)
+def remote_traceback(text: str) -> BaseException:
+    """The ``__cause__`` loky gives a task's exception: its traceback in the worker,
+    ``text``, shown when the exception is printed."""
+    cause: BaseException = process_executor._RemoteTraceback(text)
+    return cause
 
 
 # In a worker: how long the last call it ran took, sent with its result (_ResultQueue).
@@ -922,15 +917,12 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
         assert self.policy is not None  # a batch was sent
         measured = self.policy.measured
         done: list[int] = []
-        for work_id, failed, value, seconds in outcome:
+        for work_id, value, seconds in outcome:
             work_item = pending.pop(work_id, None)
             if work_item is None:
                 continue  # failed meanwhile (a dead worker broke the pool)
             measured(work_item.fn, work_item.args, seconds)
-            if failed:
-                work_item.future.set_exception(value)
-            else:
-                work_item.future.set_result(value)
+            work_item.future.set_result(value)  # the future raises a task's exception
             done.append(work_id)
             del work_item
         outcome.clear()
@@ -1204,18 +1196,17 @@ def _without_failures(item: Any, onerror: Callable[[BaseException, Any], None]) 
 class _ResultQueue(loky_queues.SimpleQueue):  # type: ignore[misc]
     """loky's result queue: a worker's results in a plain envelope, its exit marked.
 
-    A worker leaving because of ``max_tasks_per_child`` sends its pid marked as loky's
-    recycled worker: the executor replaces it without a warning.
+    A result (a batch's outcome too, and a task's exception, sent as a result: see
+    ``_worker.run``) is made to pickle by plain pickle; only what loky sends itself (an
+    exception raised outside any call) takes loky's pickler. A worker leaving because of
+    ``max_tasks_per_child`` sends its pid marked as loky's recycled worker: the executor
+    replaces it without a warning.
     """
 
     def put(self, obj: Any) -> None:
         if type(obj) is process_executor._ResultItem:
             if _run_seconds is not None:  # how long the call ran (not a batch: per call)
                 obj.seconds = _run_seconds
-            outcome = obj.result
-            if type(outcome) is BatchOutcome:
-                self._put_outcome(obj, outcome)
-                return
             if obj.exception is None:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
                 with self._wlock:
@@ -1224,26 +1215,6 @@ class _ResultQueue(loky_queues.SimpleQueue):  # type: ignore[misc]
         if _recycling and type(obj) is int:
             obj = process_executor._RecycledWorkerPid(obj)
         super().put(obj)
-
-    def _put_outcome(self, item: Any, outcome: BatchOutcome) -> None:
-        """A batch's outcome: by plain pickle if every call succeeded, else as loky
-        pickles exceptions. If it cannot be pickled, each call fails with the reason."""
-        try:
-            if outcome.failed:
-                data = bytes(loky_reduction.dumps(item, reducers=self._reducers))
-            else:
-                data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            # Each call fails with the reason, in words: the error itself may be what
-            # could not be pickled.
-            reason = RuntimeError(f"the results of a batch could not be sent back: {exc!r}")
-            failed = BatchOutcome()
-            for work_id, _, _, seconds in outcome:
-                failed.add_failure(work_id, reason, seconds)
-            item.result = failed
-            data = bytes(loky_reduction.dumps(item, reducers=self._reducers))
-        with self._wlock:
-            self._writer.send_bytes(data)
 
 
 # ---------------------------------------------------------------------------------------

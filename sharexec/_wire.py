@@ -14,7 +14,9 @@ imports NumPy, :mod:`sharexec._arrays` or :mod:`sharexec._reduction`. It owns
 * the reply envelope: a worker's :class:`Reply`, which the parent unpickles as
   :func:`load_result`. That hands each segment of the result to the :class:`Receiver`
   the sending executor registered (:func:`register`): the parent decides, not this
-  module, what becomes of a result's segments.
+  module, what becomes of a result's segments;
+* a task's exception on its way back, :class:`Raised`, rebuilt by :func:`load_raised`
+  on its own: whatever fails in transit fails one future, as a :class:`Failure`.
 
 The call envelope, ``_worker.load_call``, is the worker's, since it maps segments into
 the worker's kept mappings.
@@ -22,8 +24,10 @@ the worker's kept mappings.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import traceback
 import weakref
 from collections import ChainMap, OrderedDict
 from collections.abc import Callable
@@ -32,18 +36,20 @@ from typing import Any, ClassVar, Protocol
 import cloudpickle
 
 from . import _tracking
-from ._loky import DISPATCH_TABLE, FORKING_REDUCERS
+from ._loky import DISPATCH_TABLE, FORKING_REDUCERS, remote_traceback
 from .errors import ResultError
 
 __all__ = [
     "BufferRef",
     "Delivered",
+    "Failure",
     "Pickler",
-    "RebuildFailure",
+    "Raised",
     "Receiver",
     "Reply",
     "is_plain",
     "load_function",
+    "load_raised",
     "load_result",
     "loads",
     "register",
@@ -207,8 +213,8 @@ def load_result(
     result's segments are the parent's, so that the new sweeper hears of them).
 
     This runs in loky's manager thread, where an exception would break the whole pool
-    (as the standard library's does): a failure is returned instead, for the executor's
-    future to raise (see ``_executor._Future``), and the pool goes on.
+    (as the standard library's does): a :class:`Failure` is returned instead, for the
+    executor's future to raise (see ``_executor._Future``), and the pool goes on.
     """
     spilled = [name for name, *_ in buffers if os.path.isabs(name)]
     if spilled:
@@ -227,7 +233,7 @@ def load_result(
         for name in dict.fromkeys(name for name, *_ in buffers):
             if name not in received:  # whatever was not received yet goes too
                 receiver.discard(name)
-        return RebuildFailure(exc)
+        return Failure(_rebuild_error("the task's result could not be rebuilt here", exc))
     finally:
         if lost:
             _tracking.check_sweeper()
@@ -248,9 +254,96 @@ class Delivered:
         self.sizes = sizes
 
 
-class RebuildFailure:
-    """A result that could not be rebuilt in the parent: its future raises ``error``."""
+class Failure:
+    """An outcome whose future raises ``error`` instead of returning: the task's
+    exception (:func:`load_raised`), or the reason its result could not be rebuilt."""
 
-    def __init__(self, cause: Exception) -> None:
-        self.error = ResultError(f"the task's result could not be rebuilt here: {cause!r}")
-        self.error.__cause__ = cause
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _rebuild_error(what: str, cause: Exception) -> ResultError:
+    """A :class:`~sharexec.errors.ResultError` saying ``what``, and why: ``cause``."""
+    error = ResultError(f"{what}: {cause!r}")
+    error.__cause__ = cause
+    return error
+
+
+# ---------------------------------------------------------------------------------------
+# A task's exception, on its way back to the parent
+# ---------------------------------------------------------------------------------------
+
+
+class Raised:
+    """A task's exception on its way back, pickled on its own so that the parent
+    rebuilds it apart from anything else (:func:`load_raised`).
+
+    The standard library's worker sends the exception itself (loky's too), in the
+    message that carries the call's outcome: one that cannot be pickled kills the
+    worker or fails the whole message (every call of a batch), one that pickles but
+    cannot be rebuilt in the parent (an ``__init__`` whose arguments are not the
+    exception's ``args``, a class the parent cannot import) breaks the pool. Here each
+    exception is a payload of its own, with its type's name and the worker's traceback
+    as text: one that cannot be pickled is replaced by a ``RuntimeError`` that names it,
+    and one that cannot be rebuilt fails its own future with a
+    :class:`~sharexec.errors.ResultError`. A task's exception is sent as its result
+    (see ``_worker.run``): the future raises it (:class:`Failure`).
+    """
+
+    __slots__ = ("kind", "payload", "traceback")
+
+    def __init__(self, exc: BaseException) -> None:
+        self.kind = _type_name(type(exc))
+        self.traceback = "".join(traceback.format_exception(exc))
+        try:
+            self.payload = _dumps_in_band(exc)
+        except Exception as why:
+            said = "".join(traceback.format_exception_only(exc)).strip()
+            stand_in = RuntimeError(
+                f"the task raised {said}, which cannot be sent back to the parent: {why!r}"
+            )
+            self.payload = pickle.dumps(stand_in, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def __reduce__(self) -> Any:
+        return load_raised, (self.payload, self.kind, self.traceback)
+
+
+def load_raised(payload: bytes, kind: str, text: str) -> Failure:
+    """Rebuild a task's exception in the parent (:class:`Raised`): the future raises it,
+    with the worker's traceback (``text``) as its ``__cause__``, as loky's do.
+
+    Runs in loky's manager thread, as :func:`load_result`: an exception that cannot be
+    rebuilt fails its own future only, with a :class:`~sharexec.errors.ResultError` that
+    names its type (``kind``); the worker's traceback is then the ``__cause__`` of the
+    rebuild's error, which is the ``ResultError``'s.
+    """
+    remote = remote_traceback(text)
+    try:
+        error = pickle.loads(payload)
+        if not isinstance(error, BaseException):
+            raise TypeError(f"it was rebuilt as {_type_name(type(error))}, not an exception")
+    except Exception as why:
+        why.__cause__ = remote
+        return Failure(
+            _rebuild_error(f"the task raised {kind}, which could not be rebuilt here", why)
+        )
+    error.__cause__ = remote
+    return Failure(error)
+
+
+def _type_name(kind: type) -> str:
+    """``kind``'s name as a traceback shows it: its module too, unless builtins."""
+    module = getattr(kind, "__module__", None)
+    name = getattr(kind, "__qualname__", None) or repr(kind)
+    return name if module in (None, "builtins", "__main__") else f"{module}.{name}"
+
+
+def _dumps_in_band(obj: Any) -> bytes:
+    """``obj`` pickled by :class:`Pickler`, every buffer in band."""
+    out = io.BytesIO()
+    pickler = Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        pickler.dump(obj)
+    finally:
+        pickler.clear_memo()  # it holds obj, in a cycle only the GC would break
+    return out.getvalue()

@@ -27,17 +27,14 @@ import select
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections import OrderedDict
 from typing import Any
 
-import cloudpickle
-
 from . import _loky, _segments, _tracking
 from ._config import KEPT_MAPPINGS, WARM_BYTES, WARM_IDLE_SECONDS, Options
 from ._segments import Mapping
-from ._wire import BufferRef, Pickler, Reply, is_plain, loads
+from ._wire import BufferRef, Pickler, Raised, Reply, is_plain, loads
 from .errors import SegmentError
 
 __all__ = [
@@ -100,8 +97,8 @@ def load_call(
     except Exception as exc:
         # This runs while loky unpickles the call item, where an exception breaks the
         # whole pool (as the standard library's does: its worker dies). The call item
-        # unpickles instead, and run() raises the error: only this call's future fails,
-        # with the worker's traceback of the failure.
+        # unpickles instead, and run() sends the error back: only this call's future
+        # fails, with the worker's traceback of the failure.
         return _Unloadable(exc)
     if shared:
         kept.keep_shared(shared)
@@ -145,28 +142,31 @@ def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
 def run(call: Any) -> Any:
     """Run a call in the worker and pack its result for the way back (:func:`_pack`).
 
-    How long the function ran is noted for the parent (``_loky.note_run_seconds``),
-    which batches calls of functions measured short (``_batching``).
+    Whatever the call raises, here or while its result is packed, is sent back as its
+    result, a ``_wire.Raised``, which the parent rebuilds on its own and its future
+    raises: an exception that cannot be pickled or rebuilt fails that future only,
+    never the worker, the pool or the other calls of a batch. How long the function ran
+    is noted for the parent (``_loky.note_run_seconds``), which batches calls of
+    functions measured short (``_batching``).
     """
+    try:
+        return _run(call)
+    except BaseException as exc:  # as loky's worker sends any: SystemExit too
+        return Raised(exc)
+
+
+def _run(call: Any) -> Any:
     if type(call) is _Unloadable:
         error, call.error = call.error, None  # loky's call item holds the call meanwhile
         assert error is not None
-        stand_in = _picklable_stand_in(error)
-        raise error if stand_in is None else stand_in  # with its traceback from load_call
+        raise error  # with its traceback from load_call
     (fn, args, kwargs), options, mapped, (token, lent), shared = call
     call.clear()
-    stand_in = None
     start = time.perf_counter()
     try:
         result = fn(*args, **kwargs)
-    except Exception as exc:
-        stand_in = _picklable_stand_in(exc)
-        if stand_in is None:
-            raise
     finally:
         _loky.note_run_seconds(time.perf_counter() - start)
-    if stand_in is not None:
-        raise stand_in  # out of the handler: nothing chains it to the unpicklable exception
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
     return _pack(result, options, mapped, token, lent, shared)
 
@@ -274,14 +274,10 @@ def _run_batch(
                 del args, kwargs
                 value = _pack(result, options, [], token, [], [])
                 del result
-        except BaseException as exc:
-            # An exception that cannot be sent back is replaced, as run() replaces it.
-            failure = (_picklable_stand_in(exc) if isinstance(exc, Exception) else None) or exc
-            outcome.add_failure(work_id, failure, clock() - start)
-            del exc, failure
-        else:
-            outcome.add(work_id, value, clock() - start)
-            del value
+        except BaseException as exc:  # sent back as its result, as run() sends it
+            value = Raised(exc)
+        outcome.add(work_id, value, clock() - start)
+        del value
 
 
 class _Outcomes:
@@ -297,12 +293,6 @@ class _Outcomes:
             if not self.unsent:
                 self.since = time.monotonic()
             self.unsent.add(work_id, value, seconds)
-
-    def add_failure(self, work_id: int, exc: BaseException, seconds: float) -> None:
-        with self.lock:
-            if not self.unsent:
-                self.since = time.monotonic()
-            self.unsent.add_failure(work_id, exc, seconds)
 
     def take(self) -> _loky.BatchOutcome:
         with self.lock:
@@ -373,7 +363,6 @@ class _Streamer:
             except BaseException:
                 with outcomes.lock:  # the batch's end sends them, if it has not yet
                     late.extend(outcomes.unsent)
-                    late.failed = late.failed or outcomes.unsent.failed
                     outcomes.unsent = late
 
 
@@ -409,26 +398,6 @@ def _dumps_in_band(result: Any, options: Options) -> bytes | None:
     if large or "numpy" in sys.modules:
         return None
     return out.getvalue()
-
-
-def _picklable_stand_in(exc: Exception) -> RuntimeError | None:
-    """What to raise instead of a task's exception that cannot be pickled (loky's worker
-    would die of it), or None if it can be.
-
-    To be raised out of any ``except`` block: an exception raised in one keeps the one
-    handled as its ``__context__``, and where tblib's pickling support is installed
-    (importing ``distributed`` installs it for every exception class), an exception is
-    pickled with its ``__context__``.
-    """
-    try:
-        cloudpickle.dumps(exc)
-    except Exception as why:
-        remote = "".join(traceback.format_exception(exc))
-        return RuntimeError(
-            f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent back "
-            f"to the parent: {why}\n\nIts traceback in the worker:\n{remote}"
-        )
-    return None
 
 
 # ---------------------------------------------------------------------------------------

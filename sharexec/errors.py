@@ -21,8 +21,10 @@ class SegmentError(SharexecError, OSError):
 
 
 class ResultError(SharexecError, BrokenProcessPool):
-    """A task ran, but its result could not be rebuilt in the parent process (its
-    ``__cause__`` says why). Only that task's future fails; the executor goes on.
+    """A task ran, but its result, or the exception it raised, could not be rebuilt in
+    the parent process (its ``__cause__`` says why; for an exception, that cause's
+    ``__cause__`` is the task's traceback in the worker). Only that task's future fails;
+    the executor goes on.
 
     Also a :class:`~concurrent.futures.process.BrokenProcessPool`, what the standard
     library raises there (it breaks the whole pool): code written for it still catches
