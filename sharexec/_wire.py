@@ -24,10 +24,13 @@ the worker's kept mappings.
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import pickle
+import sys
 import traceback
+import types
 import weakref
 from collections import ChainMap, OrderedDict
 from collections.abc import Callable
@@ -83,7 +86,8 @@ def loads(
 
 
 class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle's pickler with the dispatch table of loky's own, and multiprocessing's.
+    """cloudpickle's pickler with the dispatch table of loky's own, and multiprocessing's,
+    and the standard pickler's rule for what travels by name.
 
     By exact type, first match wins: loky's reducers (bound methods by reference, sockets
     and multiprocessing connections through the process being spawned, partials); then
@@ -93,12 +97,54 @@ class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     sharexec's shared arrays); then cloudpickle's and copyreg's, which ForkingPickler's
     registrations override there too. ForkingPickler's are looked up live
     (``_loky.FORKING_REDUCERS``): ``import torch`` registers long after this class
-    exists. An override in a subclass's ``reducer_override`` wins over all of them.
+    exists. An override in a subclass's ``reducer_override`` wins over all of them, and
+    must end in this class's.
+
+    A class or function goes by reference to its module and name whenever the standard
+    pickler would find it there, importing the module (``pickle.whichmodule``, then
+    ``__import__``), as the standard library's executor sends it: cloudpickle sends by
+    reference only what lies in a module imported already (``sys.modules``), and by
+    value the rest, a copy that is not the class itself (``np.recarray``, whose
+    ``__module__`` is ``numpy.rec``, a module ``import numpy`` leaves out: its copy's
+    methods fail). So the module of such an object is imported first
+    (:func:`_import_home`), once, and cloudpickle's own rule then finds it. Functions and
+    classes of ``__main__`` and of modules registered with
+    ``cloudpickle.register_pickle_by_value`` still go by value.
     """
 
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
         DISPATCH_TABLE, FORKING_REDUCERS, cloudpickle.Pickler.dispatch_table
     )
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _BY_NAME) and getattr(obj, "__module__", None) not in sys.modules:
+            _import_home(obj)
+        return _cloudpickle_override(self, obj)  # super()'s, without making a super object
+
+
+# cloudpickle's own override (functions and classes by value or by name), called for every
+# object that is not a builtin container or atom.
+_cloudpickle_override = cloudpickle.Pickler.reducer_override
+
+
+# What the standard pickler pickles by name (a class, whatever its metaclass; a function).
+_BY_NAME = (type, types.FunctionType)
+
+# Modules that failed to import when a class or function of theirs was pickled, e.g.
+# {"plugins.gone"}: not tried again (a failed import searches the whole path each time).
+_unimportable: set[str] = set()
+
+
+def _import_home(obj: Any) -> None:
+    """Import the module ``obj`` names as its own (``__module__``), as the standard
+    pickler would to pickle it by name; nothing if that fails (it goes by value)."""
+    module = getattr(obj, "__module__", None)
+    if type(module) is not str or module in _unimportable:
+        return
+    try:
+        importlib.import_module(module)
+    except Exception:
+        _unimportable.add(module)
 
 
 # ---------------------------------------------------------------------------------------
