@@ -17,7 +17,7 @@ import sharexec
 from sharexec import _segments, _tracking
 from sharexec._arrays import byte_bounds
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 
 def segment_of(a: np.ndarray) -> str:
