@@ -177,6 +177,8 @@ def main(impl, method):
             pid, seen = future.result()
             last[pid] = max(last.get(pid, 0), seen)
         out["tiny calls counted"] = sum(last.values()) == n
+        if impl == "sharexec":  # and they were sent together
+            out["batched"] = ex.statistics().tasks_batched > 0
     print(json.dumps(out))
 
 
@@ -226,6 +228,7 @@ def test_functions_of_the_script_share_one_namespace_per_worker(
         assert ours["recycled get"] == 5
         assert ours["recycled count"] == [1, 1]
     assert ours["tiny calls counted"] is True
+    assert ours["batched"] is True
     # And all of it as the standard library's executor does.
     assert {name: ours[name] for name in theirs} == theirs
 
