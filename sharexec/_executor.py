@@ -41,6 +41,7 @@ them, and every use of loky's internals, is in :mod:`sharexec._loky`)::
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -70,7 +71,7 @@ from ._loky import (
     warm_context,
 )
 from ._transport import Task, Transport, pooled_everywhere
-from ._wire import Delivered, RebuildFailure
+from ._wire import Delivered, RebuildFailure, dumps_sharing_globals
 from ._worker import run, run_batch, run_chunk, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
@@ -248,7 +249,13 @@ class SharedProcessPoolExecutor(LokyExecutor):
         self._init_task: Task | None = None
         if initializer is not None:
             self._init_task = Task(initializer, tuple(initargs), {}, self._transport)
-        initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress())
+        # Under fork the initializer's call is inherited, not pickled: its function is
+        # pickled into this list once, at the first submit, before any worker forks (see
+        # _submit), so that each worker runs it in the namespace the calls' functions
+        # share (run_initializer), e.g. [b"\x80\x05..."].
+        self._init_pickled: list[bytes] = []
+        self._forks = context.get_start_method() == "fork"
+        initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress(), self._init_pickled)
         initializer = run_initializer
         self._sweeper_reached = False  # see submit
         # One condition guards the state of every future of this executor (see LokyFuture).
@@ -294,6 +301,9 @@ class SharedProcessPoolExecutor(LokyExecutor):
             # Before the first workers start: forked, they must know the sweeper's
             # address (see run_initializer), and every call carries it anyway.
             self._transport.context()
+            if self._init_task is not None and self._forks:
+                with contextlib.suppress(Exception):  # unpicklable: it runs as inherited
+                    self._init_pickled.append(dumps_sharing_globals(self._init_task.fn))
             self._sweeper_reached = True
         task = Task(fn, args, kwargs, self._transport)
         future = outcome(task)

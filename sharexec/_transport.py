@@ -315,8 +315,10 @@ class Functions:
 
     cloudpickle pickles a function of ``__main__`` or a notebook by value, at a cost
     that dominates small tasks (and loky pays it per task): such a function is pickled
-    once per executor, with the globals it had when first sent, as the standard
-    library's workers see the module state of their own import. A closure is not
+    once per executor, with the globals it had when first sent; a worker rebuilds it
+    once, in its one namespace of the function's module, adding only the globals that
+    namespace lacks (``_wire.share_globals``), as the standard library's workers keep
+    the module state of their own import. A closure is not
     cached (its cells may change between calls), nor a function whose pickle holds
     large buffers. Whether a function goes by name is cloudpickle's own decision, asked
     once per function: its pickle is the standard pickler's reference.
@@ -405,6 +407,7 @@ class ForwardSink(Sink):
     """
 
     moves_tensors = True
+    shares_globals = True
 
     def __init__(
         self, transport: Transport, task: int | None = None, cache_functions: bool = True

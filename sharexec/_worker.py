@@ -1,7 +1,7 @@
 """What runs in a worker: its start, and each task's way through it.
 
 * Start: :func:`run_initializer`: the worker dies with its parent, then the user's
-  initializer runs.
+  initializer runs (in the namespace the calls' functions share, even when forked).
 * A task: loky unpickles :func:`run` and a ``_transport.Task``, which rebuilds as
   :func:`load_call`: the call's copies mapped copy-on-write and its shared arrays shared,
   both through this worker's :data:`kept` mappings (reused by later tasks of the same
@@ -52,12 +52,21 @@ __all__ = [
 ]
 
 
-def run_initializer(parent_pid: int, call: Any, sweeper: _tracking.SweeperAddress) -> None:
+def run_initializer(
+    parent_pid: int,
+    call: Any,
+    sweeper: _tracking.SweeperAddress,
+    forked: list[bytes],
+) -> None:
     """Set up a new worker: it dies with its parent, and what it creates is the session's
     sweeper's to sweep; then the user's initializer, if any.
 
     ``call`` is None, the initializer's ``_transport.Task`` itself (fork: inherited, not
     pickled), or what that task's reduction rebuilt: ``[(fn, args, kwargs), options, ...]``.
+    ``forked``: under fork, the initializer's function as the parent pickled it before the
+    first worker forked, if it could (``_wire.dumps_sharing_globals``). Inherited as it
+    is, it would run in the worker's copy of its module, and the calls' functions in
+    the namespace they share; unpickled, it runs there too.
     """
     _tracking.watch_parent(parent_pid)
     sweeper.join()
@@ -68,6 +77,8 @@ def run_initializer(parent_pid: int, call: Any, sweeper: _tracking.SweeperAddres
         (fn, args, kwargs), *_ = call
     else:
         fn, args, kwargs = call.fn, call.args, call.kwargs or {}
+        if forked:
+            fn = pickle.loads(forked[0])
     fn(*args, **kwargs)
 
 
