@@ -669,6 +669,9 @@ class BatchPolicy(Protocol):
     def batched(self, calls: int) -> None:
         """A batch of ``calls`` calls was queued (for statistics)."""
 
+    def handed_back(self, fn: Any, args: tuple[Any, ...]) -> None:
+        """A call of a batch was handed back unstarted: it will be sent again."""
+
     def run_batch(self, batch: Any) -> Any:
         """Runs in the worker: what a :class:`CallBatch` rebuilt as, to a
         :class:`BatchOutcome`."""
@@ -979,8 +982,13 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
         self._not_running(back)
         if not back:
             return
+        policy = self.policy
+        assert policy is not None  # a batch was sent
         for work_id in back:
-            pending[work_id].future.set_pending_again()
+            work_item = pending[work_id]
+            policy.handed_back(work_item.fn, work_item.args)
+            work_item.future.set_pending_again()
+            del work_item
         if self.carry is not None:  # taken from the queue's front: it goes back there
             back.append(self.carry)
             back.sort()
