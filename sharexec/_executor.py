@@ -406,8 +406,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
         calls not yet started are cancelled.
         """
         if cancel_futures:
-            for future in self._pending_futures():
-                future.cancel()
+            self._cancel_pending()  # and the calls a worker hands back later
         super().shutdown(wait=wait)
         self._transport.close()
         if self._init_task is not None:
@@ -569,8 +568,9 @@ def _submit_slot(
 
 class _Slot:
     """Where a call of ``map`` gets its outcome: what the pool needs of a future
-    (``set_running_or_notify_cancel``, ``set_result``, ``set_exception``, ``cancel``,
-    ``done``, ``add_done_callback``), and ``result`` for map's iterator.
+    (``set_running_or_notify_cancel``, ``set_pending_again``, ``set_result``,
+    ``set_exception``, ``cancel``, ``done``, ``add_done_callback``), and ``result`` for
+    map's iterator.
 
     A future per call costs about ten objects (a condition, its lock, lists) and a lock
     taken at each step; map's calls are seen by no one but its iterator, so they share
@@ -595,6 +595,12 @@ class _Slot:
                 return False
             self._state = _RUNNING
             return True
+
+    def set_pending_again(self) -> None:
+        """Its call was handed back unstarted: it may be cancelled again."""
+        with self._run.condition:
+            if self._state == _RUNNING:
+                self._state = _PENDING
 
     def set_result(self, result: Any) -> None:
         if type(result) is RebuildFailure:

@@ -85,7 +85,7 @@ import signal
 import threading
 import types
 from collections import deque
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import _base as futures_base
 from multiprocessing import connection as mp_connection
@@ -177,6 +177,7 @@ def _problems() -> list[str]:
             "work_ids_queue",
             "pending_work_items",
             "running_work_items",
+            "executor_flags",
         ),
         # Batching: the manager's two steps replaced, the wake-up coalesced, the ids
         # queue replaced (loky only puts and gets without blocking).
@@ -465,6 +466,9 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         # when it starts): a wake-up written only when none is pending, ids in a deque.
         self._executor_manager_thread_wakeup.__class__ = _CoalescedWakeup
         self._work_ids = _WorkIds()
+        # Whether the calls not started are cancelled (shutdown(cancel_futures=True)),
+        # those a worker hands back later included (read by the manager thread).
+        self._flags.cancel_pending = False
 
     def _enqueue(self, future: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Queue the call ``fn(*args)``, whose outcome ``future`` will receive.
@@ -523,8 +527,15 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         return list(processes.values()) if processes else []
 
     def _pending_futures(self) -> list[Future[Any]]:
-        """The futures of the calls not done yet, e.g. for ``shutdown(cancel_futures=True)``."""
+        """The futures of the calls not done yet."""
         return [item.future for item in list(self._pending_work_items.values())]
+
+    def _cancel_pending(self) -> None:
+        """Cancel the calls not started (``shutdown(cancel_futures=True)``): those
+        pending now, and those a worker hands back from a batch from now on."""
+        self._flags.cancel_pending = True  # first: a call handed back meanwhile is seen
+        for future in self._pending_futures():
+            future.cancel()
 
     def _setup_queues(
         self, job_reducers: Any, result_reducers: Any, queue_size: int | None = None
@@ -666,6 +677,9 @@ class BatchPolicy(Protocol):
     def batched(self, calls: int) -> None:
         """A batch of ``calls`` calls was queued (for statistics)."""
 
+    def handed_back(self, fn: Any, args: tuple[Any, ...]) -> None:
+        """A call of a batch was handed back unstarted: it will be sent again."""
+
     def run_batch(self, batch: Any) -> Any:
         """Runs in the worker: what a :class:`CallBatch` rebuilt as, to a
         :class:`BatchOutcome`."""
@@ -704,9 +718,11 @@ class BatchOutcome(list):  # type: ignore[type-arg]
     """What a worker sends back for a batch: ``(work_id, failed, value, seconds)`` per
     call, in order; ``value`` is the result, or the exception raised (as loky sends
     it: with the worker's traceback as its ``__cause__``). ``failed``: whether any call
-    raised (then it is pickled as loky pickles exceptions)."""
+    raised (then it is pickled as loky pickles exceptions). ``returned``: the work ids
+    of the calls the worker hands back, not started (the parent queues them again)."""
 
     failed = False
+    returned: Sequence[int] = ()
 
     def add(self, work_id: int, value: Any, seconds: float) -> None:
         self.append((work_id, False, value, seconds))
@@ -732,7 +748,7 @@ def send_outcome(outcome: BatchOutcome) -> None:
     argument of its worker loop (``_process_worker(call_queue, result_queue, ...)``),
     which every start method hands the worker process in its ``_args``."""
     result_queue = multiprocessing.current_process()._args[1]  # type: ignore[attr-defined]
-    first = outcome[0][0]
+    first = outcome[0][0] if outcome else outcome.returned[0]
     result_queue.put(process_executor._ResultItem(first, result=outcome))
 
 
@@ -790,6 +806,20 @@ class _WorkIds:
     def put(self, work_id: int) -> None:
         self._ids.append(work_id)
 
+    def put_back(self, ids: list[int]) -> None:
+        """Queue again calls taken before (``ids``, in order): ahead of the others, in
+        the order they were queued first. Called by the manager thread, the only one
+        that takes ids (a submit only appends), so the front of the queue is its own:
+        the ids put back before (smaller than any never taken) are merged with these."""
+        queued = self._ids
+        last = ids[-1]
+        ahead = []
+        while queued and queued[0] < last:
+            ahead.append(queued.popleft())
+        if ahead:
+            ids = sorted(ids + ahead)
+        queued.extendleft(reversed(ids))
+
     def get(self, block: bool = True, timeout: float | None = None) -> int:
         if block:  # pragma: no cover - loky never blocks on it
             raise NotImplementedError("work ids are taken without blocking")
@@ -819,7 +849,10 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
     in loky's tables under its own work id: a dead worker fails each with
     ``BrokenProcessPool``, as it would fail them alone. ``process_result_item``
     completes each call of a batch's outcome, in order, and feeds every call's
-    measured run time to the policy.
+    measured run time to the policy. The calls a worker hands back unstarted (its batch
+    ran past its bound) are pending again and queued ahead of the others
+    (``_queue_again``): loky's tables count them pending, not running, and a dead
+    worker fails them as any pending call.
     """
 
     policy: BatchPolicy | None  # None: every call goes alone
@@ -925,7 +958,8 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
         super().process_result_item(result_item)
 
     def _complete(self, outcome: BatchOutcome) -> None:
-        """Complete each call of a batch, in order, with its own result or exception."""
+        """Complete each call of a batch, in order, with its own result or exception;
+        queue again the calls its worker handed back."""
         pending = self.pending_work_items
         assert self.policy is not None  # a batch was sent
         measured = self.policy.measured
@@ -942,21 +976,55 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
             done.append(work_id)
             del work_item
         outcome.clear()
-        if not done:
+        self._not_running(done)
+        if outcome.returned:
+            self._queue_again(outcome.returned)
+
+    def _queue_again(self, ids: Sequence[int]) -> None:
+        """Calls a worker handed back, not started: pending again (they keep their work
+        ids and futures, and may be cancelled), queued ahead of the later calls, in
+        their order. If the pool is shutting down with its pending calls cancelled, they
+        are cancelled too, as they would have been had they been pending then."""
+        pending = self.pending_work_items
+        back = [work_id for work_id in ids if work_id in pending]  # not failed meanwhile
+        self._not_running(back)
+        if not back:
             return
-        # Out of loky's list of running ids at once (a remove per call would move the
-        # rest of the list each time), in place: loky's queue holds the same list. A
-        # batch's ids were added together, so they are found together, unless some
-        # failed alone in the feeder thread meanwhile.
+        policy = self.policy
+        assert policy is not None  # a batch was sent
+        for work_id in back:
+            work_item = pending[work_id]
+            policy.handed_back(work_item.fn, work_item.args)
+            work_item.future.set_pending_again()
+            del work_item
+        if self.carry is not None:  # taken from the queue's front: it goes back there
+            back.append(self.carry)
+            back.sort()
+            self.carry = None
+        self.work_ids_queue.put_back(back)
+        if self.executor_flags.cancel_pending:  # read after they became pending
+            for work_id in back:
+                work_item = pending.get(work_id)
+                if work_item is not None:
+                    work_item.future.cancel()
+
+    def _not_running(self, ids: list[int]) -> None:
+        """Take ``ids`` out of loky's list of running ids."""
+        if not ids:
+            return
+        # All at once (a remove per call would move the rest of the list each time), in
+        # place: loky's queue holds the same list. A batch's ids were added together,
+        # so they are found together, unless some failed alone in the feeder thread
+        # meanwhile.
         running = self.running_work_items
         try:
-            at = running.index(done[0])
+            at = running.index(ids[0])
         except ValueError:
             at = -1
-        if at >= 0 and running[at : at + len(done)] == done:
-            del running[at : at + len(done)]
+        if at >= 0 and running[at : at + len(ids)] == ids:
+            del running[at : at + len(ids)]
         else:
-            gone = set(done)
+            gone = set(ids)
             running[:] = [work_id for work_id in running if work_id not in gone]
 
 
@@ -1634,6 +1702,13 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
             self._condition.notify_all()
         self._invoke_callbacks()
         return True
+
+    def set_pending_again(self) -> None:
+        """Its call was handed back unstarted (a batch's, see ``_Manager``): pending
+        again, so it may be cancelled until it is handed out again."""
+        with self._condition:
+            if self._state == futures_base.RUNNING:
+                self._state = futures_base.PENDING
 
     def set_running_or_notify_cancel(self) -> bool:
         with self._condition:

@@ -247,15 +247,16 @@ def run_batch(batch: Any) -> _loky.BatchOutcome:
     """Run a batch's calls in order, each with its own outcome and run time: a call that
     raises fails alone, and the next one runs.
 
-    Outcomes stream: while a call runs longer than expected, the outcomes of the calls
-    before it are sent back without waiting for the batch's end (:class:`_Streamer`).
+    A batch holds its calls for :attr:`_Streamer.HOLD_SECONDS` at most: past that, the
+    calls not started yet are handed back to the parent, which queues them again, and
+    the outcomes ended so far are sent with them (:class:`_Streamer`). What this returns
+    is the rest.
     """
     ids, options, token, functions, entries = batch
     batch.clear()
-    outcome = _streamer.start()
-    clock = time.perf_counter
+    running = _streamer.start(ids, entries)
     try:
-        _run_batch(ids, options, token, functions, entries, outcome, clock)
+        _run_batch(ids, options, token, functions, entries, running, time.perf_counter)
     finally:
         rest = _streamer.stop()
     return rest
@@ -267,7 +268,7 @@ def _run_batch(
     token: int,
     functions: Any,
     entries: list[Any],
-    outcome: _Outcomes,
+    running: _Running,
     clock: Any,
 ) -> None:
     for at, work_id in enumerate(ids):
@@ -288,50 +289,80 @@ def _run_batch(
         except BaseException as exc:
             # An exception that cannot be sent back is replaced, as run() replaces it.
             failure = (_picklable_stand_in(exc) if isinstance(exc, Exception) else None) or exc
-            outcome.add_failure(work_id, failure, clock() - start)
+            end = running.add_failure(work_id, failure, clock() - start)
             del exc, failure
         else:
-            outcome.add(work_id, value, clock() - start)
+            end = running.add(work_id, value, clock() - start)
             del value
+        if end <= at + 1:
+            return  # the calls after this one were handed back
 
 
-class _Outcomes:
-    """The outcomes of the running batch not sent yet, shared with the streamer's thread."""
+class _Running:
+    """The running batch, shared with the streamer's thread: its outcomes not sent yet,
+    and where it ends (the calls from ``end`` on were handed back)."""
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: threading.Lock, ids: list[int], entries: list[Any]) -> None:
         self.lock = lock
+        self.ids = ids
+        self.entries = entries
         self.unsent = _loky.BatchOutcome()
-        self.since = 0.0  # time.monotonic() when the oldest unsent outcome was added
+        self.ran = 0  # calls ended
+        self.end = len(ids)  # calls it may start: those before this index
+        self.started = time.monotonic()
+        self.held = False  # whether it held its calls past the bound: nothing more to do
 
-    def add(self, work_id: int, value: Any, seconds: float) -> None:
+    def add(self, work_id: int, value: Any, seconds: float) -> int:
+        """A call ended with ``value``; returns ``end``."""
         with self.lock:
-            if not self.unsent:
-                self.since = time.monotonic()
             self.unsent.add(work_id, value, seconds)
+            self.ran += 1
+            return self.end
 
-    def add_failure(self, work_id: int, exc: BaseException, seconds: float) -> None:
+    def add_failure(self, work_id: int, exc: BaseException, seconds: float) -> int:
+        """A call raised ``exc``; returns ``end``."""
         with self.lock:
-            if not self.unsent:
-                self.since = time.monotonic()
             self.unsent.add_failure(work_id, exc, seconds)
+            self.ran += 1
+            return self.end
+
+    def hand_back(self) -> _loky.BatchOutcome:
+        """Stop after the call running now: the outcomes not sent yet, with the ids of
+        the calls not started (``returned``), which will not run here."""
+        with self.lock:
+            self.held = True
+            self.end = end = min(self.end, self.ran + 1)
+            taken, self.unsent = self.unsent, _loky.BatchOutcome()
+            if end < len(self.ids):
+                taken.returned = self.ids[end:]
+                del self.entries[end:]  # their arguments' mappings go now
+            return taken
 
     def take(self) -> _loky.BatchOutcome:
         with self.lock:
             taken, self.unsent = self.unsent, _loky.BatchOutcome()
             return taken
 
+    def put_back(self, outcome: _loky.BatchOutcome) -> None:
+        """``outcome`` could not be sent: the batch's end sends it (what it holds first)."""
+        with self.lock:
+            outcome.extend(self.unsent)
+            outcome.failed = outcome.failed or self.unsent.failed
+            self.unsent = outcome
+
 
 class _Streamer:
-    """Sends a batch's outcomes back while a later call of the batch runs long.
+    """Hands a batch's calls back when the batch holds them too long.
 
     A batch is sized to end within a few ms, and its outcomes then go back together, as
-    the batch's result. If a call runs longer than that, a thread of this worker (a
-    daemon, started with the first batch) sends the outcomes of the calls before it
-    after ``STREAM_SECONDS``, so that they do not wait for it; the parent completes each
-    future as its outcome arrives, whichever message brings it.
+    the batch's result. If it runs longer than ``HOLD_SECONDS`` (a call runs long, or
+    waits for a call after it), a thread of this worker (a daemon, started with the
+    first batch) cuts the batch short: the calls not started yet are handed back to the
+    parent, which queues them again for any worker, and the outcomes ended so far go
+    with them. The call running now ends the batch; its outcome is the batch's result.
     """
 
-    STREAM_SECONDS = 0.005
+    HOLD_SECONDS = 0.005
 
     def __init__(self) -> None:
         self.reset()
@@ -340,52 +371,46 @@ class _Streamer:
         """As a new process (after fork): no batch, no thread."""
         self._lock = threading.Lock()
         self._wake = threading.Condition(threading.Lock())
-        self._running: _Outcomes | None = None
+        self._running: _Running | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> _Outcomes:
-        outcomes = _Outcomes(self._lock)
+    def start(self, ids: list[int], entries: list[Any]) -> _Running:
+        running = _Running(self._lock, ids, entries)
         with self._wake:
-            self._running = outcomes
+            self._running = running
             if self._thread is None:
-                self._thread = threading.Thread(target=self._send_late, daemon=True)
+                self._thread = threading.Thread(target=self._watch, daemon=True)
                 self._thread.name = "sharexec-stream"
                 self._thread.start()
             self._wake.notify()
-        return outcomes
+        return running
 
     def stop(self) -> _loky.BatchOutcome:
         """The batch ended: what is left to send, as its result."""
         with self._wake:
-            outcomes, self._running = self._running, None
-        assert outcomes is not None
-        return outcomes.take()
+            running, self._running = self._running, None
+        assert running is not None
+        return running.take()
 
-    def _send_late(self) -> None:
+    def _watch(self) -> None:
         while True:
             with self._wake:
-                while self._running is None:
-                    self._wake.wait()
-                outcomes = self._running
-            wait = self.STREAM_SECONDS
-            with outcomes.lock:
-                if outcomes.unsent:
-                    wait = outcomes.since + self.STREAM_SECONDS - time.monotonic()
-            if wait > 0:
-                with self._wake:
-                    if self._running is outcomes:
-                        self._wake.wait(wait)
-                continue
-            late = outcomes.take()
-            if not late:
+                running = self._running
+                if running is None or running.held:
+                    self._wake.wait()  # until the next batch starts
+                    continue
+                wait = running.started + self.HOLD_SECONDS - time.monotonic()
+                if wait > 0:
+                    self._wake.wait(wait)
+                    continue
+            late = running.hand_back()
+            if not late and not late.returned:
                 continue
             try:
                 _loky.send_outcome(late)
             except BaseException:
-                with outcomes.lock:  # the batch's end sends them, if it has not yet
-                    late.extend(outcomes.unsent)
-                    late.failed = late.failed or outcomes.unsent.failed
-                    outcomes.unsent = late
+                running.put_back(late)  # the batch's end sends it, if it has not yet
+            del late, running
 
 
 _streamer = _Streamer()
