@@ -3,7 +3,7 @@
 Calls of a function measured short travel in batches; a batch holds its calls a few
 milliseconds at most: past that, its worker hands back the calls it has not started,
 and the pool queues them again for any worker. So, as with the standard library's
-executor (each checked under every start method):
+executor (each checked under the default start method and spawn):
 
 * a call that waits for a later call completes, even when both were sent in one batch;
 * a function measured short that turns slow holds nothing: ``shutdown(cancel_futures=True)``
@@ -30,7 +30,7 @@ import workers
 
 import sharexec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 
 def step(kind: Any, event: Any) -> Any:
@@ -83,6 +83,7 @@ def test_a_call_waiting_for_a_later_call_of_its_batch_completes(executor):
     assert executor.statistics().tasks_batched > 0
 
 
+@pytest.mark.fresh_pool  # it counts the bytes copied and reused from zero
 def test_calls_handed_back_keep_their_array_copies(executor):
     """Calls with arrays copied into shared memory, in a batch handed back (one of them
     waits for a later one): each array is copied once, and sent again from that copy,
