@@ -298,12 +298,25 @@ def method_id(method: str | None) -> str:
     return "default" if method is None else method
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--start-methods",
+        default=None,
+        help="run the tests of start_method under these methods only, e.g. "
+        "'default,spawn' (a leg of CI's matrix whose point is not the start methods)",
+    )
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test of ``start_method`` runs under every start method, or, marked
-    ``transport`` (and not ``process``), under TRANSPORT_METHODS."""
+    ``transport`` (and not ``process``), under TRANSPORT_METHODS; ``--start-methods``
+    keeps only some of them."""
     if "start_method" in metafunc.fixturenames:
         transport = _is_transport(metafunc.definition)
         methods = TRANSPORT_METHODS if transport else START_METHODS
+        only = metafunc.config.getoption("--start-methods")
+        if only:
+            methods = [m for m in methods if method_id(m) in only.split(",")]
         metafunc.parametrize("start_method", methods, ids=method_id, indirect=True)
 
 
