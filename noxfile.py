@@ -33,7 +33,7 @@ ROOT = Path(__file__).parent
 LINT_PATHS = ["sharexec", "tests", "noxfile.py", "examples", "bench", "docs/conf.py"]
 
 # The Pythons sharexec supports: the README's support policy, pyproject.toml's classifiers.
-PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+PYTHONS = ["3.11", "3.12", "3.13"]
 # The runtime dependencies (pyproject.toml's `dependencies`), each pinned `name>=oldest`.
 RUNTIME = ["numpy", "loky", "cloudpickle"]
 # What a matrix session prints before its tests: what it tests.
@@ -115,7 +115,7 @@ for _version in PYTHONS:
 
 @nox.session(name="tests-oldest", python=_python(PYTHONS[0]), default=False)
 def tests_oldest(session: nox.Session) -> None:
-    """Run the test suite on Python 3.10 with the oldest dependencies the pins admit.
+    """Run the test suite on Python 3.11 with the oldest dependencies the pins admit.
 
     numpy, loky and cloudpickle at pyproject.toml's lower bounds, read from it
     (``numpy>=2.0`` gives ``numpy==2.0``, i.e. 2.0.0), on the oldest supported Python,
@@ -128,7 +128,7 @@ def tests_oldest(session: nox.Session) -> None:
     python=False, requires=[*(f"tests-{v}" for v in PYTHONS), "tests-oldest"], default=False
 )
 def matrix(session: nox.Session) -> None:
-    """Run ``tests-3.10`` ... ``tests-3.13`` and ``tests-oldest``; fails if any failed."""
+    """Run ``tests-3.11`` ... ``tests-3.13`` and ``tests-oldest``; fails if any failed."""
     session.log("every Python and the oldest dependencies: passed")
 
 

@@ -8,7 +8,8 @@ back in one: what a message costs is then shared by its calls. This module decid
 which calls may go together; ``_loky`` moves them, ``_transport.Transport.reduce_batch``
 pickles them, ``_worker.run_batch`` runs them.
 
-The rules, for the promises that must hold (docs/how-it-works.md, "Many small calls"):
+The rules, for the promises that must hold (docs/how-it-works.md, "When calls travel
+together"): tiny calls may travel together, never wait together.
 
 * A call goes alone unless its function was **measured** short: every call's run time
   is measured in its worker and sent back with its result; a function never measured
@@ -19,11 +20,14 @@ The rules, for the promises that must hold (docs/how-it-works.md, "Many small ca
 * A batch holds at most :data:`BATCH_SECONDS` of estimated run time and
   :data:`BATCH_CALLS` calls, and no more than a share of the calls waiting
   (:meth:`Batching.limit`), so that every worker gets some while a backlog drains: its
-  calls' results come back together at the batch's end, which is bounded by that time;
-  should a call run long after all, the worker sends back the outcomes ended so far
-  (``_worker._Streamer``): only the calls after it in its batch wait for it.
+  calls' results come back together at the batch's end, which is bounded by that time.
+  Should a batch run longer after all (a call turned slow, or waits for a later call
+  of its batch), its worker hands back the calls not started after 5 ms
+  (``_worker._Streamer``), with the outcomes ended so far, and ``_loky``'s manager
+  queues them again: no call waits behind another for longer.
 * Only calls waiting in the queue are batched, and each becomes running as it joins a
-  batch: a call still queued can be cancelled, as with the stdlib.
+  batch, pending again if it is handed back: a call still queued can be cancelled, as
+  with the stdlib.
 * No batching with ``max_tasks_per_child`` (a worker counts tasks), nor with the
   ``batching=False`` option.
 
@@ -131,6 +135,13 @@ class Batching:
         counts = self._transport.counts
         counts.add("batches")
         counts.add("tasks_batched", calls)
+
+    def handed_back(self, fn: Any, args: tuple[Any, ...]) -> None:
+        """A batched call was handed back unstarted: its next send is the same transfer
+        (its copies stay valid for it, nothing counted twice)."""
+        task = args[0]
+        if type(task) is Task:
+            task.again = True
 
     def reduce_batch(self, batch: CallBatch) -> Any:
         tasks = [args[0] for _, args in batch.calls]

@@ -41,6 +41,7 @@ them, and every use of loky's internals, is in :mod:`sharexec._loky`)::
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -70,7 +71,7 @@ from ._loky import (
     warm_context,
 )
 from ._transport import Task, Transport, pooled_everywhere
-from ._wire import Delivered, Failure
+from ._wire import Delivered, Failure, dumps_sharing_globals
 from ._worker import run, run_batch, run_chunk, run_initializer
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
@@ -248,7 +249,13 @@ class SharedProcessPoolExecutor(LokyExecutor):
         self._init_task: Task | None = None
         if initializer is not None:
             self._init_task = Task(initializer, tuple(initargs), {}, self._transport)
-        initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress())
+        # Under fork the initializer's call is inherited, not pickled: its function is
+        # pickled into this list once, at the first submit, before any worker forks (see
+        # _submit), so that each worker runs it in the namespace the calls' functions
+        # share (run_initializer), e.g. [b"\x80\x05..."].
+        self._init_pickled: list[bytes] = []
+        self._forks = context.get_start_method() == "fork"
+        initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress(), self._init_pickled)
         initializer = run_initializer
         self._sweeper_reached = False  # see submit
         # One condition guards the state of every future of this executor (see LokyFuture).
@@ -294,6 +301,9 @@ class SharedProcessPoolExecutor(LokyExecutor):
             # Before the first workers start: forked, they must know the sweeper's
             # address (see run_initializer), and every call carries it anyway.
             self._transport.context()
+            if self._init_task is not None and self._forks:
+                with contextlib.suppress(Exception):  # unpicklable: it runs as inherited
+                    self._init_pickled.append(dumps_sharing_globals(self._init_task.fn))
             self._sweeper_reached = True
         task = Task(fn, args, kwargs, self._transport)
         future = outcome(task)
@@ -396,8 +406,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
         calls not yet started are cancelled.
         """
         if cancel_futures:
-            for future in self._pending_futures():
-                future.cancel()
+            self._cancel_pending()  # and the calls a worker hands back later
         super().shutdown(wait=wait)
         self._transport.close()
         if self._init_task is not None:
@@ -559,8 +568,9 @@ def _submit_slot(
 
 class _Slot:
     """Where a call of ``map`` gets its outcome: what the pool needs of a future
-    (``set_running_or_notify_cancel``, ``set_result``, ``set_exception``, ``cancel``,
-    ``done``, ``add_done_callback``), and ``result`` for map's iterator.
+    (``set_running_or_notify_cancel``, ``set_pending_again``, ``set_result``,
+    ``set_exception``, ``cancel``, ``done``, ``add_done_callback``), and ``result`` for
+    map's iterator.
 
     A future per call costs about ten objects (a condition, its lock, lists) and a lock
     taken at each step; map's calls are seen by no one but its iterator, so they share
@@ -585,6 +595,12 @@ class _Slot:
                 return False
             self._state = _RUNNING
             return True
+
+    def set_pending_again(self) -> None:
+        """Its call was handed back unstarted: it may be cancelled again."""
+        with self._run.condition:
+            if self._state == _RUNNING:
+                self._state = _PENDING
 
     def set_result(self, result: Any) -> None:
         if type(result) is Failure:

@@ -85,9 +85,10 @@ import signal
 import threading
 import types
 from collections import deque
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import _base as futures_base
+from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver as mp_forkserver
 from multiprocessing import popen_forkserver as mp_popen_forkserver
@@ -176,6 +177,7 @@ def _problems() -> list[str]:
             "work_ids_queue",
             "pending_work_items",
             "running_work_items",
+            "executor_flags",
         ),
         # Batching: the manager's two steps replaced, the wake-up coalesced, the ids
         # queue replaced (loky only puts and gets without blocking).
@@ -231,10 +233,17 @@ def _problems() -> list[str]:
         # The warm start method: multiprocessing's forkserver, a server of our own.
         *_has(mp_context, "ForkServerContext", "ForkServerProcess", "set_spawning_popen"),
         *_has(mp_forkserver, "ForkServer.ensure_running", "read_signed", "main"),
-        *_has(mp_popen_forkserver, "Popen._launch", "Popen.duplicate_for_child"),
+        *_has(mp_popen_forkserver, "Popen._launch", "Popen.poll", "Popen.duplicate_for_child"),
         *_has(mp_spawn, "get_preparation_data"),
-        *_has(mp_util, "close_fds"),
-        *_assigns(mp_forkserver, "ForkServer", "_forkserver_alive_fd", "_forkserver_pid"),
+        *_has(mp_util, "close_fds", "is_abstract_socket_namespace"),
+        *_has(mp_connection, "wait"),
+        *_assigns(
+            mp_forkserver,
+            "ForkServer",
+            "_forkserver_alive_fd",
+            "_forkserver_pid",
+            "_forkserver_address",
+        ),
         *_assigns(mp_popen_forkserver, "Popen", "_fds"),
         *_takes(mp_forkserver, "ForkServer.connect_to_new_process", "self", "fds"),
         *_takes(mp_forkserver, "ForkServer.set_forkserver_preload", "self", "modules_names"),
@@ -457,6 +466,9 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         # when it starts): a wake-up written only when none is pending, ids in a deque.
         self._executor_manager_thread_wakeup.__class__ = _CoalescedWakeup
         self._work_ids = _WorkIds()
+        # Whether the calls not started are cancelled (shutdown(cancel_futures=True)),
+        # those a worker hands back later included (read by the manager thread).
+        self._flags.cancel_pending = False
 
     def _enqueue(self, future: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Queue the call ``fn(*args)``, whose outcome ``future`` will receive.
@@ -515,8 +527,15 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         return list(processes.values()) if processes else []
 
     def _pending_futures(self) -> list[Future[Any]]:
-        """The futures of the calls not done yet, e.g. for ``shutdown(cancel_futures=True)``."""
+        """The futures of the calls not done yet."""
         return [item.future for item in list(self._pending_work_items.values())]
+
+    def _cancel_pending(self) -> None:
+        """Cancel the calls not started (``shutdown(cancel_futures=True)``): those
+        pending now, and those a worker hands back from a batch from now on."""
+        self._flags.cancel_pending = True  # first: a call handed back meanwhile is seen
+        for future in self._pending_futures():
+            future.cancel()
 
     def _setup_queues(
         self, job_reducers: Any, result_reducers: Any, queue_size: int | None = None
@@ -658,6 +677,9 @@ class BatchPolicy(Protocol):
     def batched(self, calls: int) -> None:
         """A batch of ``calls`` calls was queued (for statistics)."""
 
+    def handed_back(self, fn: Any, args: tuple[Any, ...]) -> None:
+        """A call of a batch was handed back unstarted: it will be sent again."""
+
     def run_batch(self, batch: Any) -> Any:
         """Runs in the worker: what a :class:`CallBatch` rebuilt as, to a
         :class:`BatchOutcome`."""
@@ -696,7 +718,10 @@ class BatchOutcome(list):  # type: ignore[type-arg]
     """What a worker sends back for a batch: ``(work_id, outcome, seconds)`` per call, in
     order; ``outcome`` is what the call sent alone would send as its result (a task's
     exception too travels as such a value, which the future raises: ``_worker.run``).
-    Pickled by plain pickle: every outcome is made to pickle."""
+    Pickled by plain pickle: every outcome is made to pickle. ``returned``: the work ids
+    of the calls the worker hands back, not started (the parent queues them again)."""
+
+    returned: Sequence[int] = ()
 
     def add(self, work_id: int, outcome: Any, seconds: float) -> None:
         self.append((work_id, outcome, seconds))
@@ -719,7 +744,7 @@ def send_outcome(outcome: BatchOutcome) -> None:
     argument of its worker loop (``_process_worker(call_queue, result_queue, ...)``),
     which every start method hands the worker process in its ``_args``."""
     result_queue = multiprocessing.current_process()._args[1]  # type: ignore[attr-defined]
-    first = outcome[0][0]
+    first = outcome[0][0] if outcome else outcome.returned[0]
     result_queue.put(process_executor._ResultItem(first, result=outcome))
 
 
@@ -777,6 +802,20 @@ class _WorkIds:
     def put(self, work_id: int) -> None:
         self._ids.append(work_id)
 
+    def put_back(self, ids: list[int]) -> None:
+        """Queue again calls taken before (``ids``, in order): ahead of the others, in
+        the order they were queued first. Called by the manager thread, the only one
+        that takes ids (a submit only appends), so the front of the queue is its own:
+        the ids put back before (smaller than any never taken) are merged with these."""
+        queued = self._ids
+        last = ids[-1]
+        ahead = []
+        while queued and queued[0] < last:
+            ahead.append(queued.popleft())
+        if ahead:
+            ids = sorted(ids + ahead)
+        queued.extendleft(reversed(ids))
+
     def get(self, block: bool = True, timeout: float | None = None) -> int:
         if block:  # pragma: no cover - loky never blocks on it
             raise NotImplementedError("work ids are taken without blocking")
@@ -806,7 +845,10 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
     in loky's tables under its own work id: a dead worker fails each with
     ``BrokenProcessPool``, as it would fail them alone. ``process_result_item``
     completes each call of a batch's outcome, in order, and feeds every call's
-    measured run time to the policy.
+    measured run time to the policy. The calls a worker hands back unstarted (its batch
+    ran past its bound) are pending again and queued ahead of the others
+    (``_queue_again``): loky's tables count them pending, not running, and a dead
+    worker fails them as any pending call.
     """
 
     policy: BatchPolicy | None  # None: every call goes alone
@@ -912,7 +954,8 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
         super().process_result_item(result_item)
 
     def _complete(self, outcome: BatchOutcome) -> None:
-        """Complete each call of a batch, in order, with its own result or exception."""
+        """Complete each call of a batch, in order, with its own result or exception;
+        queue again the calls its worker handed back."""
         pending = self.pending_work_items
         assert self.policy is not None  # a batch was sent
         measured = self.policy.measured
@@ -926,21 +969,55 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
             done.append(work_id)
             del work_item
         outcome.clear()
-        if not done:
+        self._not_running(done)
+        if outcome.returned:
+            self._queue_again(outcome.returned)
+
+    def _queue_again(self, ids: Sequence[int]) -> None:
+        """Calls a worker handed back, not started: pending again (they keep their work
+        ids and futures, and may be cancelled), queued ahead of the later calls, in
+        their order. If the pool is shutting down with its pending calls cancelled, they
+        are cancelled too, as they would have been had they been pending then."""
+        pending = self.pending_work_items
+        back = [work_id for work_id in ids if work_id in pending]  # not failed meanwhile
+        self._not_running(back)
+        if not back:
             return
-        # Out of loky's list of running ids at once (a remove per call would move the
-        # rest of the list each time), in place: loky's queue holds the same list. A
-        # batch's ids were added together, so they are found together, unless some
-        # failed alone in the feeder thread meanwhile.
+        policy = self.policy
+        assert policy is not None  # a batch was sent
+        for work_id in back:
+            work_item = pending[work_id]
+            policy.handed_back(work_item.fn, work_item.args)
+            work_item.future.set_pending_again()
+            del work_item
+        if self.carry is not None:  # taken from the queue's front: it goes back there
+            back.append(self.carry)
+            back.sort()
+            self.carry = None
+        self.work_ids_queue.put_back(back)
+        if self.executor_flags.cancel_pending:  # read after they became pending
+            for work_id in back:
+                work_item = pending.get(work_id)
+                if work_item is not None:
+                    work_item.future.cancel()
+
+    def _not_running(self, ids: list[int]) -> None:
+        """Take ``ids`` out of loky's list of running ids."""
+        if not ids:
+            return
+        # All at once (a remove per call would move the rest of the list each time), in
+        # place: loky's queue holds the same list. A batch's ids were added together,
+        # so they are found together, unless some failed alone in the feeder thread
+        # meanwhile.
         running = self.running_work_items
         try:
-            at = running.index(done[0])
+            at = running.index(ids[0])
         except ValueError:
             at = -1
-        if at >= 0 and running[at : at + len(done)] == done:
-            del running[at : at + len(done)]
+        if at >= 0 and running[at : at + len(ids)] == ids:
+            del running[at : at + len(ids)]
         else:
-            gone = set(done)
+            gone = set(ids)
             running[:] = [work_id for work_id in running if work_id not in gone]
 
 
@@ -963,22 +1040,107 @@ class _WarmServer:
     parent's threads are no hazard); its only thread is the main one (NumPy's OpenBLAS
     joins its pool at fork), so each worker is a fork of a single-threaded process. It
     exits when the last process holding its "alive" pipe (this one, its workers) has.
+
+    A server that dies (killed, out of memory) is started again, as the sweeper is:
+    multiprocessing starts another when it finds its server exited, and a fork request
+    that fails on the way (refused, or cut before the child's pid came back: the server
+    is dying) stops and reaps it, then asks a new one, once. Requests take turns (the
+    server forks one at a time anyway), so one restart serves all who noticed and no
+    request sends the pipe of a server another one just let go. Its workers live on:
+    none depends on it but for its exit status. The socket file of a server gone is
+    removed.
     """
 
     def __init__(self) -> None:
         self.server = mp_forkserver.ForkServer()
         self.server.set_forkserver_preload(list(WARM_PRELOAD))
+        self.sockets: set[str] = set()  # the socket files of our servers, e.g. {"/tmp/…"}
+        self.lock = threading.Lock()  # one request (or start) at a time
 
     def start(self) -> None:
         """Start the server now if it is not running: it imports while we go on."""
-        self.server.ensure_running()
+        with self.lock:
+            self._start()
+
+    def fork(self, fds: list[int]) -> tuple[int, int, int]:
+        """Ask the server for a child that inherits ``fds``.
+
+        Returns the child's pid, the read end of the pipe on which the server writes
+        its exit status, and the write end of the pipe the child reads its process
+        object from (nothing written yet: a child whose pid never came back reads
+        nothing, and exits).
+        """
+        with self.lock:
+            for last in (False, True):
+                used = self._start()
+                try:
+                    status, write = self.server.connect_to_new_process(fds)
+                except (ConnectionError, FileNotFoundError, ChildProcessError):
+                    if last:
+                        raise
+                    self._forget(used)
+                    continue
+                try:
+                    pid: int = mp_forkserver.read_signed(status)
+                except (EOFError, OSError):
+                    os.close(status)
+                    os.close(write)
+                    if last:
+                        raise
+                    self._forget(used)
+                    continue
+                return pid, status, write
+        raise AssertionError("unreachable")
+
+    def _start(self) -> int:
+        """The server's pid, started if it is not running."""
+        server: Any = self.server
+        try:
+            server.ensure_running()
+        except ChildProcessError:  # it exited and someone reaped it (os.wait(), SIGCHLD)
+            self._forget(server._forkserver_pid, signal_it=False)
+            server.ensure_running()
+        address = server._forkserver_address
+        if address not in self.sockets:  # a new server: the others are gone
+            for gone in self.sockets:
+                with contextlib.suppress(OSError):
+                    os.unlink(gone)
+            self.sockets.clear()
+            if not mp_util.is_abstract_socket_namespace(address):
+                self.sockets.add(address)
+        pid: int = server._forkserver_pid
+        return pid
+
+    def _forget(self, pid: int, signal_it: bool = True) -> None:
+        """Stop and reap the server ``pid``, so that the next request starts another
+        (as multiprocessing does for one that exited); without ``signal_it``, only
+        forget it (another wait reaped it: the pid may be another process's now)."""
+        server: Any = self.server
+        if signal_it:
+            try:  # still our child (not reaped by another wait), so the pid is its
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                pass
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # if it is not dead yet: no use any more
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_address = None
+        server._forkserver_alive_fd = None
+        server._forkserver_pid = None
 
     def after_fork_in_child(self) -> None:
         # A forked child of this process cannot wait for its parent's server: it starts
-        # its own, if it ever needs one. Its copy of the "alive" pipe goes at once.
+        # its own, if it ever needs one. Its copy of the "alive" pipe goes at once; the
+        # parent's socket files are the parent's to remove.
         alive: int | None = getattr(self.server, "_forkserver_alive_fd", None)
         self.server = mp_forkserver.ForkServer()
         self.server.set_forkserver_preload(list(WARM_PRELOAD))
+        self.sockets = set()
+        self.lock = threading.Lock()
         if alive is not None:
             with contextlib.suppress(OSError):
                 os.close(alive)
@@ -987,19 +1149,105 @@ class _WarmServer:
 _warm_server = _WarmServer()
 os.register_at_fork(after_in_child=_warm_server.after_fork_in_child)
 
+# Signals every Python interpreter ignores from its start (so that a write to a closed
+# pipe raises, a large file is an error): a worker ignores them as one started afresh.
+_IGNORED_BY_PYTHON = frozenset(
+    getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)
+)
+
+
+def _status_field(status: str, name: str) -> int:
+    """A number of ``/proc/self/status``: the ``Umask`` (octal) or ``SigIgn``
+    (hexadecimal) line's."""
+    at = status.find(f"\n{name}:")
+    if at < 0:
+        raise LookupError(f"no {name} in /proc/self/status")
+    value = status[at + len(name) + 2 : status.find("\n", at + 1)]
+    return int(value, 8 if name == "Umask" else 16)
+
+
+_VALID_SIGNALS = frozenset(int(number) for number in signal.valid_signals())
+
+
+def _signals(mask: int) -> set[int]:
+    """The signals of a mask of /proc (bit n-1 for signal n) that Python can set."""
+    return {n for n in _VALID_SIGNALS if mask >> (n - 1) & 1}
+
+
+class _ParentState:
+    """What a worker of the warm server takes from its parent as it is now, not as it
+    was when the server started: the environment, the umask, the ignored signals and
+    the starting thread's signal mask (the working directory and ``sys.path`` travel
+    in multiprocessing's own preparation data).
+
+    Read in the parent for each fork request (a read of ``/proc/self/status`` and a
+    copy of the environment: 0.2 ms on a busy machine, where a worker's start takes
+    25 ms or more), and put first in the request's preparation data: it pickles as a
+    call of :func:`_take_parent_state`, so the child applies it while it unpickles that
+    data, before anything else of the request is loaded and before
+    ``multiprocessing.spawn.prepare`` runs.
+    """
+
+    def __init__(self) -> None:
+        with open("/proc/self/status") as f:
+            status = f.read()
+        self.environ = dict(os.environb)
+        self.umask = _status_field(status, "Umask")
+        self.ignored = _signals(_status_field(status, "SigIgn"))
+        self.blocked = {int(number) for number in signal.pthread_sigmask(signal.SIG_BLOCK, ())}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _take_parent_state, (self.environ, self.umask, self.ignored, self.blocked)
+
+
+def _take_parent_state(
+    environ: dict[bytes, bytes], umask: int, ignored: set[int], blocked: set[int]
+) -> None:
+    """In a warm worker: become the parent's environment, umask and signal state.
+
+    A signal the parent ignores is ignored; one it does not ignore but the server did
+    (it started with the parent of that time) gets back a new interpreter's
+    disposition: Python's ``KeyboardInterrupt`` for ``SIGINT``, ignored for ``SIGPIPE``
+    and ``SIGXFSZ``, the default for the rest. These are what a spawned worker gets.
+    """
+    here = os.environb
+    for name in [name for name in here if name not in environ]:
+        del here[name]
+    for name, value in environ.items():
+        if here.get(name) != value:
+            here[name] = value
+    os.umask(umask)
+    with open("/proc/self/status") as f:
+        ignored_here = _signals(_status_field(f.read(), "SigIgn"))
+    for number in ignored - ignored_here:
+        signal.signal(number, signal.SIG_IGN)
+    for number in ignored_here - ignored - _IGNORED_BY_PYTHON:
+        default = signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
+        signal.signal(number, default)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
 
 class _WarmPopen(mp_popen_forkserver.Popen):
     """multiprocessing's forkserver ``Popen``, asking sharexec's server for the fork.
 
     The child is told nothing of the parent's main module (as loky's start method):
     its code reaches workers inside pickles, so no script is imported again, and a
-    script needs no ``if __name__ == "__main__"`` guard for it.
+    script needs no ``if __name__ == "__main__"`` guard for it. It is told the parent's
+    state of now (:class:`_ParentState`), first.
+
+    Its sentinel is a pipe the child holds the write end of (as under ``fork`` and
+    ``spawn``), not the server's status pipe: the parent sees a worker end when the
+    worker does, and a server that dies takes no worker with it. The exit status still
+    comes from the server, which reaps its children; 255 if the server is gone.
     """
+
+    _status: int | None = None  # the server's pipe: the child's pid, then its exit status
 
     def _launch(self, process_obj: Any) -> None:
         data = mp_spawn.get_preparation_data(process_obj._name)
         data.pop("init_main_from_path", None)
         data.pop("init_main_from_name", None)
+        data = {"sharexec_parent_state": _ParentState(), **data}
         buffer = io.BytesIO()
         mp_context.set_spawning_popen(self)  # fds the process carries go with the request
         try:
@@ -1008,15 +1256,40 @@ class _WarmPopen(mp_popen_forkserver.Popen):
         finally:
             mp_context.set_spawning_popen(None)
         fds: list[int] = self._fds  # type: ignore[attr-defined]  # duplicate_for_child's
-        self.sentinel, write = _warm_server.server.connect_to_new_process(fds)
+        sentinel, held = os.pipe()
+        try:
+            self.pid, self._status, write = _warm_server.fork([*fds, held])
+        except BaseException:
+            os.close(sentinel)
+            raise
+        finally:
+            os.close(held)
+        self.sentinel = sentinel
         # The child takes the closing of this pipe's write end for its parent's death:
         # one copy stays open for as long as this object lives.
         kept = os.dup(write)
         close_fds = mp_util.close_fds  # type: ignore[attr-defined]
-        self.finalizer = mp_util.Finalize(self, close_fds, (kept, self.sentinel))
+        self.finalizer = mp_util.Finalize(self, close_fds, (kept, sentinel, self._status))
         with open(write, "wb", closefd=True) as pipe:
             pipe.write(buffer.getbuffer())
-        self.pid = mp_forkserver.read_signed(self.sentinel)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if self.returncode is None:
+            timeout = 0 if flag == os.WNOHANG else None
+            if not mp_connection.wait([self.sentinel], timeout):
+                return None
+            # The child is gone: the server writes its status once it has reaped it.
+            code = 255
+            if self._status is not None and mp_connection.wait([self._status], _REAPED_WITHIN):
+                with contextlib.suppress(OSError, EOFError):
+                    code = mp_forkserver.read_signed(self._status)
+            self.returncode = code
+        return self.returncode
+
+
+# How long a worker's exit status may take to come from a live server after the worker
+# is gone (it reaps at once: this bounds a stopped server's delay, then 255).
+_REAPED_WITHIN = 5.0
 
 
 class _WarmProcess(mp_context.ForkServerProcess):
@@ -1401,6 +1674,13 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
             self._condition.notify_all()
         self._invoke_callbacks()
         return True
+
+    def set_pending_again(self) -> None:
+        """Its call was handed back unstarted (a batch's, see ``_Manager``): pending
+        again, so it may be cancelled until it is handed out again."""
+        with self._condition:
+            if self._state == futures_base.RUNNING:
+                self._state = futures_base.PENDING
 
     def set_running_or_notify_cancel(self) -> bool:
         with self._condition:

@@ -57,7 +57,7 @@ from . import _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
 from ._segments import Mapping
-from ._wire import BufferRef, Pickler
+from ._wire import BufferRef, Pickler, share_globals
 from .errors import SegmentError
 
 logger = logging.getLogger("sharexec")
@@ -117,9 +117,12 @@ class _Pickler(Pickler):
             if reduced is not None:
                 return reduced
         elif type(obj) is types.FunctionType:
-            reduced = self._state.sink.reduce_function(obj)
+            sink = self._state.sink
+            reduced = sink.reduce_function(obj)
             if reduced is not None:
                 return reduced
+            if sink.shares_globals:  # to a worker: rebuilt in its module's namespace there
+                return share_globals(obj, super().reducer_override(obj))
         elif self._torch is not None:
             kind = type(obj)
             if kind in self._torch.TENSORS:
@@ -385,6 +388,10 @@ class Sink:
     # call: torch's semantics, the sender's tensor ends up shared), or copied as a buffer
     # (a result).
     moves_tensors = False
+    # Whether functions sent by value are rebuilt in the receiver's one namespace of
+    # their module (a call, to a worker: _wire.share_globals), or each over globals of
+    # its own, as cloudpickle rebuilds them (a result).
+    shares_globals = False
 
     def __init__(self, options: Options) -> None:
         self.options = options

@@ -73,6 +73,7 @@ class Task:
     # Slots, and tuples for empty lists: every object a task allocates is one more for
     # the garbage collector to walk while thousands of tiny tasks are pending.
     __slots__ = (
+        "again",
         "args",
         "copies",
         "fn",
@@ -100,6 +101,7 @@ class Task:
         self.transport = transport
         self.number = transport.number()  # its place in submission order
         self.sent = False
+        self.again = False  # handed back unstarted: its next send is the same transfer
         self.keep: Sequence[Mapping] = ()  # the mappings its payload refers to
         self.copies: Sequence[Mapping] = ()  # those of them that are argument copies
         self.function: tuple[str, str] | None = None  # whose last results size what is lent
@@ -111,25 +113,30 @@ class Task:
         if fn is None or args is None:
             raise AlreadyDone("this task was already completed")
         transport = self.transport
-        if self.sent:  # sent again (an initializer, for a new worker): as if submitted now
-            self.number = transport.number()
+        again, self.again = self.again, False
+        if self.sent and not again:  # sent again (an initializer, for a new worker):
+            self.number = transport.number()  # as if submitted now
         self.sent = True
         payload = transport.plain_call(fn, args, kwargs)
         buffers: list[BufferRef] = []
         if payload is None:
-            payload, buffers = self._pass((fn, args, kwargs))
+            # Handed back by a worker that did not start it (see _batching): its copies
+            # are still valid snapshots for it, and sending them again is not counted.
+            payload, buffers = self._pass((fn, args, kwargs), counted=not again)
         transport.loans.take_back(self.lent)
         self.function = _function_key(fn)
         self.lent = transport.lend(self.function)
         lent = [(m.name, len(m)) for m in self.lent]
         return load_call, (payload, buffers, lent, transport.context())
 
-    def _pass(self, call: tuple[Any, Any, Any]) -> tuple[bytes, list[BufferRef]]:
+    def _pass(
+        self, call: tuple[Any, Any, Any], counted: bool = True
+    ) -> tuple[bytes, list[BufferRef]]:
         """Reduce the call by the pass: its large buffers copied (or reused), held."""
         _, args, kwargs = call
         given = frozenset(id(x) for x in (*args, *kwargs.values()) if isinstance(x, np.ndarray))
         transport = self.transport
-        packed = dumps(call, ForwardSink(transport, self.number), given)
+        packed = dumps(call, ForwardSink(transport, self.number, counted=counted), given)
         if self.keep:  # a previous reduction's
             recycling.done(self.keep, frozenset())
         if self.copies:
@@ -315,8 +322,10 @@ class Functions:
 
     cloudpickle pickles a function of ``__main__`` or a notebook by value, at a cost
     that dominates small tasks (and loky pays it per task): such a function is pickled
-    once per executor, with the globals it had when first sent, as the standard
-    library's workers see the module state of their own import. A closure is not
+    once per executor, with the globals it had when first sent; a worker rebuilds it
+    once, in its one namespace of the function's module, adding only the globals that
+    namespace lacks (``_wire.share_globals``), as the standard library's workers keep
+    the module state of their own import. A closure is not
     cached (its cells may change between calls), nor a function whose pickle holds
     large buffers. Whether a function goes by name is cloudpickle's own decision, asked
     once per function: its pickle is the standard pickler's reference.
@@ -400,19 +409,28 @@ class ForwardSink(Sink):
     counted for ``statistics()``; a fallback warned of once.
 
     ``task``: the number of the task being sent, if this pass sends one;
-    ``cache_functions``: functions of ``__main__`` go by their cached pickle. Private
+    ``cache_functions``: functions of ``__main__`` go by their cached pickle;
+    ``counted``: False for a call sent again after a worker handed it back unstarted,
+    whose bytes by reference and reused copies were counted when it was first sent
+    (only what it copies anew is). Private
     torch tensors are moved into shared memory before they go (``moves_tensors``).
     """
 
     moves_tensors = True
+    shares_globals = True
 
     def __init__(
-        self, transport: Transport, task: int | None = None, cache_functions: bool = True
+        self,
+        transport: Transport,
+        task: int | None = None,
+        cache_functions: bool = True,
+        counted: bool = True,
     ) -> None:
         super().__init__(transport.options)
         self.transport = transport
         self.task = task
         self.cache_functions = cache_functions
+        self.counted = counted
 
     def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
         # What the task can reach through this view: its elements, and never more than
@@ -423,7 +441,8 @@ class ForwardSink(Sink):
     def place(self, raw: memoryview, low: int) -> Mapping | None:
         reused = self.transport.reuse(raw, low, self.task)
         if reused is not None:  # a copy made for an earlier call: a copy avoided
-            self.transport.counts.add("bytes_reused", raw.nbytes)
+            if self.counted:
+                self.transport.counts.add("bytes_reused", raw.nbytes)
             return reused
         made = self.transport.number()  # tasks numbered below came before this copy
         mapping = super().place(raw, low)
@@ -447,13 +466,15 @@ class ForwardSink(Sink):
         # reused; but a gappy view's compact copy is such a buffer too, at its first and
         # only use (copied, not reused). Reuse within a pass is counted in done()
         # instead, from the buffers themselves.
-        if what != "bytes_reused":
+        if what != "bytes_reused" and (self.counted or what != "bytes_by_reference"):
             self.transport.counts.add(what, n)
 
     def done(self, packed: Packed) -> None:
         # A buffer in a segment an earlier buffer of this pass went to shares that copy
         # (a second view of one base: a.T after a): a copy avoided. The first buffer in
         # each segment was copied there, or reused from an earlier call (see place()).
+        if not self.counted:
+            return
         seen: set[str] = set()
         reused = 0
         for name, _, _, length in packed.buffers:

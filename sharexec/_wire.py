@@ -11,6 +11,8 @@ imports NumPy, :mod:`sharexec._arrays` or :mod:`sharexec._reduction`. It owns
 * plain values (:func:`is_plain`): calls and results made only of them hold no buffer
   and skip the passes;
 * functions sent by their cached pickle (:func:`load_function`, a cache per worker);
+* the globals of functions sent by value: one namespace per module in each worker
+  (:func:`share_globals`, :func:`namespace`), as one import of the module would give;
 * the reply envelope: a worker's :class:`Reply`, which the parent unpickles as
   :func:`load_result`. That hands each segment of the result to the :class:`Receiver`
   the sending executor registered (:func:`register`): the parent decides, not this
@@ -50,12 +52,16 @@ __all__ = [
     "Raised",
     "Receiver",
     "Reply",
+    "dumps_sharing_globals",
     "is_plain",
     "load_function",
     "load_raised",
     "load_result",
     "loads",
+    "namespace",
     "register",
+    "set_function_state",
+    "share_globals",
 ]
 
 # An out-of-band buffer: (segment name, segment size, offset, length),
@@ -175,7 +181,8 @@ _FUNCTIONS_KEPT = 256
 
 
 def load_function(payload: bytes) -> Any:
-    """Unpickle a function sent by its cached pickle, once per worker."""
+    """Unpickle a function sent by its cached pickle, once per worker (in its module's
+    namespace there, if it was sent by value: see :func:`share_globals`)."""
     fn = _functions.get(payload)
     if fn is None:
         fn = _functions[payload] = pickle.loads(payload)
@@ -184,6 +191,106 @@ def load_function(payload: bytes) -> Any:
     else:
         _functions.move_to_end(payload)
     return fn
+
+
+# ---------------------------------------------------------------------------------------
+# The globals of functions sent by value
+# ---------------------------------------------------------------------------------------
+#
+# cloudpickle rebuilds a function sent by value over a globals dict of its own: one per
+# pickle, holding only the globals the function refers to. A worker of the standard
+# library's executor instead runs every function of the script in one module (imported
+# again, or forked), so what its initializer or an earlier call stores in a global is
+# seen by later calls. Here too: a function sent by value whose globals are its module's
+# namespace is rebuilt over this process's one namespace of that module (by the module's
+# name), and of the globals its pickle carries (their values in the parent when it was
+# pickled), only the names that namespace lacks are added. A name the worker has keeps
+# the worker's value: state set in the worker persists, and the parent's later changes
+# are not seen, as in a worker that imported or forked the script before them. Classes
+# need no more: cloudpickle rebuilds a class sent by value once per process (its class
+# tracker), so every function and argument sees the same class.
+
+# In a worker: the namespace of each module whose functions arrived by value, by the
+# module's name, e.g. {"__main__": {"__name__": "__main__", "CACHE": {"x": 42}, ...}}.
+_namespaces: dict[str, dict[str, Any]] = {}
+
+
+class _Namespace:
+    """Stands for a module's namespace in a function's pickle: unpickled as the
+    receiver's namespace of that module (:func:`namespace`)."""
+
+    __slots__ = ("base", "module")
+
+    def __init__(self, module: str, base: dict[str, Any]) -> None:
+        self.module = module
+        self.base = base  # what cloudpickle gives a new namespace: __name__, __file__...
+
+    def __reduce__(self) -> Any:
+        return namespace, (self.module, self.base)
+
+
+def namespace(module: str, base: dict[str, Any]) -> dict[str, Any]:
+    """This process's namespace of ``module`` for its functions sent by value: made from
+    ``base`` (the module's ``__name__``, ``__file__``…) when the first one arrives."""
+    found = _namespaces.get(module)
+    if found is None:
+        found = _namespaces.setdefault(module, dict(base))
+    return found
+
+
+def set_function_state(fn: types.FunctionType, state: tuple[Any, Any]) -> None:
+    """Set the state of a function rebuilt in its module's namespace: by cloudpickle's own
+    setter (``state`` is that setter and its state), except that the globals the pickle
+    carries are only added where the namespace lacks them."""
+    setter, (attributes, slots) = state
+    carried = slots["__globals__"]
+    shared = fn.__globals__
+    slots["__globals__"] = {name: v for name, v in carried.items() if name not in shared}
+    setter(fn, (attributes, slots))
+
+
+def share_globals(fn: types.FunctionType, reduced: Any) -> Any:
+    """cloudpickle's reduction of ``fn`` (by value, or ``NotImplemented`` by name), made to
+    rebuild ``fn`` over the receiver's one namespace of its module.
+
+    Only a function whose globals are its module's own namespace (a function of the
+    script, a notebook, or a module registered to pickle by value); any other (one made
+    by ``exec`` over a dict of its own) keeps cloudpickle's namespace per pickle.
+    """
+    if type(reduced) is not tuple or len(reduced) != 6:
+        return reduced  # by name, or a reduction of a shape this does not know
+    module = fn.__globals__.get("__name__")
+    if not isinstance(module, str):
+        return reduced
+    if getattr(sys.modules.get(module), "__dict__", None) is not fn.__globals__:
+        return reduced
+    make, (code, base, *rest), state, items, pairs, setter = reduced
+    if type(base) is not dict:
+        return reduced
+    newargs = (code, _Namespace(module, base), *rest)
+    return make, newargs, (setter, state), items, pairs, set_function_state
+
+
+class _SharingPickler(Pickler):
+    """A pickler whose functions sent by value rebuild in their module's namespace."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = super().reducer_override(obj)
+        if type(obj) is types.FunctionType:
+            return share_globals(obj, reduced)
+        return reduced
+
+
+def dumps_sharing_globals(obj: Any) -> bytes:
+    """Pickle ``obj`` so that its functions sent by value are rebuilt in their module's
+    namespace (buffers in band): a forked worker's initializer (``_executor``)."""
+    out = io.BytesIO()
+    pickler = _SharingPickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        pickler.dump(obj)
+    finally:
+        pickler.clear_memo()  # it holds obj, in a cycle only the GC would break
+    return out.getvalue()
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What runs in a worker: its start, and each task's way through it.
 
 * Start: :func:`run_initializer`: the worker dies with its parent, then the user's
-  initializer runs.
+  initializer runs (in the namespace the calls' functions share, even when forked).
 * A task: loky unpickles :func:`run` and a ``_transport.Task``, which rebuilds as
   :func:`load_call`: the call's copies mapped copy-on-write and its shared arrays shared,
   both through this worker's :data:`kept` mappings (reused by later tasks of the same
@@ -49,12 +49,21 @@ __all__ = [
 ]
 
 
-def run_initializer(parent_pid: int, call: Any, sweeper: _tracking.SweeperAddress) -> None:
+def run_initializer(
+    parent_pid: int,
+    call: Any,
+    sweeper: _tracking.SweeperAddress,
+    forked: list[bytes],
+) -> None:
     """Set up a new worker: it dies with its parent, and what it creates is the session's
     sweeper's to sweep; then the user's initializer, if any.
 
     ``call`` is None, the initializer's ``_transport.Task`` itself (fork: inherited, not
     pickled), or what that task's reduction rebuilt: ``[(fn, args, kwargs), options, ...]``.
+    ``forked``: under fork, the initializer's function as the parent pickled it before the
+    first worker forked, if it could (``_wire.dumps_sharing_globals``). Inherited as it
+    is, it would run in the worker's copy of its module, and the calls' functions in
+    the namespace they share; unpickled, it runs there too.
     """
     _tracking.watch_parent(parent_pid)
     sweeper.join()
@@ -65,6 +74,8 @@ def run_initializer(parent_pid: int, call: Any, sweeper: _tracking.SweeperAddres
         (fn, args, kwargs), *_ = call
     else:
         fn, args, kwargs = call.fn, call.args, call.kwargs or {}
+        if forked:
+            fn = pickle.loads(forked[0])
     fn(*args, **kwargs)
 
 
@@ -236,15 +247,16 @@ def run_batch(batch: Any) -> _loky.BatchOutcome:
     """Run a batch's calls in order, each with its own outcome and run time: a call that
     raises fails alone, and the next one runs.
 
-    Outcomes stream: while a call runs longer than expected, the outcomes of the calls
-    before it are sent back without waiting for the batch's end (:class:`_Streamer`).
+    A batch holds its calls for :attr:`_Streamer.HOLD_SECONDS` at most: past that, the
+    calls not started yet are handed back to the parent, which queues them again, and
+    the outcomes ended so far are sent with them (:class:`_Streamer`). What this returns
+    is the rest.
     """
     ids, options, token, functions, entries = batch
     batch.clear()
-    outcome = _streamer.start()
-    clock = time.perf_counter
+    running = _streamer.start(ids, entries)
     try:
-        _run_batch(ids, options, token, functions, entries, outcome, clock)
+        _run_batch(ids, options, token, functions, entries, running, time.perf_counter)
     finally:
         rest = _streamer.stop()
     return rest
@@ -256,7 +268,7 @@ def _run_batch(
     token: int,
     functions: Any,
     entries: list[Any],
-    outcome: _Outcomes,
+    running: _Running,
     clock: Any,
 ) -> None:
     for at, work_id in enumerate(ids):
@@ -276,41 +288,69 @@ def _run_batch(
                 del result
         except BaseException as exc:  # sent back as its result, as run() sends it
             value = Raised(exc)
-        outcome.add(work_id, value, clock() - start)
+        end = running.add(work_id, value, clock() - start)
         del value
+        if end <= at + 1:
+            return  # the calls after this one were handed back
 
 
-class _Outcomes:
-    """The outcomes of the running batch not sent yet, shared with the streamer's thread."""
+class _Running:
+    """The running batch, shared with the streamer's thread: its outcomes not sent yet,
+    and where it ends (the calls from ``end`` on were handed back)."""
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: threading.Lock, ids: list[int], entries: list[Any]) -> None:
         self.lock = lock
+        self.ids = ids
+        self.entries = entries
         self.unsent = _loky.BatchOutcome()
-        self.since = 0.0  # time.monotonic() when the oldest unsent outcome was added
+        self.ran = 0  # calls ended
+        self.end = len(ids)  # calls it may start: those before this index
+        self.started = time.monotonic()
+        self.held = False  # whether it held its calls past the bound: nothing more to do
 
-    def add(self, work_id: int, value: Any, seconds: float) -> None:
+    def add(self, work_id: int, value: Any, seconds: float) -> int:
+        """A call ended with ``value``; returns ``end``."""
         with self.lock:
-            if not self.unsent:
-                self.since = time.monotonic()
             self.unsent.add(work_id, value, seconds)
+            self.ran += 1
+            return self.end
+
+    def hand_back(self) -> _loky.BatchOutcome:
+        """Stop after the call running now: the outcomes not sent yet, with the ids of
+        the calls not started (``returned``), which will not run here."""
+        with self.lock:
+            self.held = True
+            self.end = end = min(self.end, self.ran + 1)
+            taken, self.unsent = self.unsent, _loky.BatchOutcome()
+            if end < len(self.ids):
+                taken.returned = self.ids[end:]
+                del self.entries[end:]  # their arguments' mappings go now
+            return taken
 
     def take(self) -> _loky.BatchOutcome:
         with self.lock:
             taken, self.unsent = self.unsent, _loky.BatchOutcome()
             return taken
 
+    def put_back(self, outcome: _loky.BatchOutcome) -> None:
+        """``outcome`` could not be sent: the batch's end sends it (what it holds first)."""
+        with self.lock:
+            outcome.extend(self.unsent)
+            self.unsent = outcome
+
 
 class _Streamer:
-    """Sends a batch's outcomes back while a later call of the batch runs long.
+    """Hands a batch's calls back when the batch holds them too long.
 
     A batch is sized to end within a few ms, and its outcomes then go back together, as
-    the batch's result. If a call runs longer than that, a thread of this worker (a
-    daemon, started with the first batch) sends the outcomes of the calls before it
-    after ``STREAM_SECONDS``, so that they do not wait for it; the parent completes each
-    future as its outcome arrives, whichever message brings it.
+    the batch's result. If it runs longer than ``HOLD_SECONDS`` (a call runs long, or
+    waits for a call after it), a thread of this worker (a daemon, started with the
+    first batch) cuts the batch short: the calls not started yet are handed back to the
+    parent, which queues them again for any worker, and the outcomes ended so far go
+    with them. The call running now ends the batch; its outcome is the batch's result.
     """
 
-    STREAM_SECONDS = 0.005
+    HOLD_SECONDS = 0.005
 
     def __init__(self) -> None:
         self.reset()
@@ -319,51 +359,46 @@ class _Streamer:
         """As a new process (after fork): no batch, no thread."""
         self._lock = threading.Lock()
         self._wake = threading.Condition(threading.Lock())
-        self._running: _Outcomes | None = None
+        self._running: _Running | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> _Outcomes:
-        outcomes = _Outcomes(self._lock)
+    def start(self, ids: list[int], entries: list[Any]) -> _Running:
+        running = _Running(self._lock, ids, entries)
         with self._wake:
-            self._running = outcomes
+            self._running = running
             if self._thread is None:
-                self._thread = threading.Thread(target=self._send_late, daemon=True)
+                self._thread = threading.Thread(target=self._watch, daemon=True)
                 self._thread.name = "sharexec-stream"
                 self._thread.start()
             self._wake.notify()
-        return outcomes
+        return running
 
     def stop(self) -> _loky.BatchOutcome:
         """The batch ended: what is left to send, as its result."""
         with self._wake:
-            outcomes, self._running = self._running, None
-        assert outcomes is not None
-        return outcomes.take()
+            running, self._running = self._running, None
+        assert running is not None
+        return running.take()
 
-    def _send_late(self) -> None:
+    def _watch(self) -> None:
         while True:
             with self._wake:
-                while self._running is None:
-                    self._wake.wait()
-                outcomes = self._running
-            wait = self.STREAM_SECONDS
-            with outcomes.lock:
-                if outcomes.unsent:
-                    wait = outcomes.since + self.STREAM_SECONDS - time.monotonic()
-            if wait > 0:
-                with self._wake:
-                    if self._running is outcomes:
-                        self._wake.wait(wait)
-                continue
-            late = outcomes.take()
-            if not late:
+                running = self._running
+                if running is None or running.held:
+                    self._wake.wait()  # until the next batch starts
+                    continue
+                wait = running.started + self.HOLD_SECONDS - time.monotonic()
+                if wait > 0:
+                    self._wake.wait(wait)
+                    continue
+            late = running.hand_back()
+            if not late and not late.returned:
                 continue
             try:
                 _loky.send_outcome(late)
             except BaseException:
-                with outcomes.lock:  # the batch's end sends them, if it has not yet
-                    late.extend(outcomes.unsent)
-                    outcomes.unsent = late
+                running.put_back(late)  # the batch's end sends it, if it has not yet
+            del late, running
 
 
 _streamer = _Streamer()

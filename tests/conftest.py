@@ -11,6 +11,7 @@ import select
 import shutil
 import sys
 import tempfile
+import time
 import types
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
@@ -22,8 +23,17 @@ import pytest
 import sharexec
 from sharexec import _segments
 
-# None: sharexec's default (forks of its warm server), test id "default".
+# What a test is about decides the start methods it runs under (docs/design.md,
+# "How the tests are organised"). Process semantics (start-up, fork/spawn differences,
+# initializer, crashes, signals, recycling, the warm server) differ by start method: every
+# one. Transport semantics (what is shared, copied, pickled, written back; statistics;
+# batching; tensors; protocol-5 objects) happen after a worker has started, the same
+# way whatever started it: sharexec's default and spawn (the one that shares nothing
+# with the parent), on a pool reused across the tests of a module; mark such a test
+# (or module) ``transport``. None: sharexec's default (forks of its warm server), test
+# id "default".
 START_METHODS: list[str | None] = ["spawn", "fork", "forkserver", "loky", None]
+TRANSPORT_METHODS: list[str | None] = [None, "spawn"]
 
 # See session_site/sharexec_test_members.py: every Python process this session starts
 # records itself there as it starts, so that a segment whose creator is dead can be told
@@ -91,8 +101,30 @@ def _start_recording_members() -> None:
 
 
 def session_members() -> dict[int, set[int | None]]:
-    """The processes this session started so far (live or not): {pid: {start times}}."""
-    return members_module.members(_members_file) if _members_file else {}
+    """The processes this session started so far (live or not): {pid: {start times}}.
+
+    The members file only grows: each call reads what was appended since the last one.
+    """
+    global _members_read
+    if _members_file is None:
+        return {}
+    try:
+        with open(_members_file, "rb") as f:
+            f.seek(_members_read)
+            appended = f.read()
+    except FileNotFoundError:
+        return {}
+    complete = appended[: appended.rfind(b"\n") + 1]  # a line being written waits
+    _members_read += len(complete)
+    for line in complete.decode().splitlines():
+        pid, _, started = line.partition(" ")
+        _members_seen.setdefault(int(pid), set()).add(None if started == "None" else int(started))
+    return {pid: set(starts) for pid, starts in _members_seen.items()}
+
+
+# What session_members read so far: the bytes, and the members in them.
+_members_read = 0
+_members_seen: dict[int, set[int | None]] = {}
 
 
 # Helper processes that outlive a pool by design (one of each per test session).
@@ -100,29 +132,67 @@ _HELPERS = ("resource_tracker", "forkserver import main", "sweeper_main")
 
 
 def descendants(pid: int | None = None) -> dict[int, str]:
-    """Every live descendant of ``pid`` (default: this process), with its command line."""
+    """Every live descendant of ``pid`` (default: this process), with its command line.
+
+    Walks down from ``pid`` through each thread's ``/proc/<pid>/task/<tid>/children``
+    (a few reads per descendant, whatever else runs on the machine); where the kernel
+    does not provide those files, scans every process's parent in ``/proc``.
+    """
+    scanned = None if _HAVE_CHILDREN_FILES else _children_by_scan()
+    found: dict[int, str] = {}
+    todo = [os.getpid() if pid is None else pid]
+    while todo:
+        parent = todo.pop()
+        for child in _children(parent) if scanned is None else scanned.get(parent, []):
+            if child in found:
+                continue
+            try:
+                with open(f"/proc/{child}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue  # gone meanwhile
+            if state == b"Z":
+                continue  # exited, not yet reaped: not live (its children are reparented)
+            found[child] = cmdline
+            todo.append(child)
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    """The children of ``pid`` (any of its threads may have started one)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found = []
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(child) for child in f.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def _children_by_scan() -> dict[int, list[int]]:
+    """{parent: [children]} of every process, from every ``/proc/<pid>/stat``."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found: dict[int, str] = {}
-    todo = [os.getpid() if pid is None else pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            try:
-                with open(f"/proc/{child}/cmdline", "rb") as f:
-                    found[child] = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            todo.append(child)
-    return found
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+# CONFIG_PROC_CHILDREN: a kernel built without it has no children files.
+_HAVE_CHILDREN_FILES = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
 def wait_exit(pids: list[int], timeout: float) -> list[int]:
@@ -146,8 +216,14 @@ def wait_exit(pids: list[int], timeout: float) -> list[int]:
 
 
 def workers_left() -> dict[int, str]:
-    """Descendants that are not the long-lived helpers (resource trackers, fork servers)."""
-    return {p: cmd for p, cmd in descendants().items() if not any(h in cmd for h in _HELPERS)}
+    """Descendants that are not the long-lived helpers (resource trackers, fork servers)
+    nor the workers of the module's reused pools (see ``executor``)."""
+    kept = _reused_workers()
+    return {
+        p: cmd
+        for p, cmd in descendants().items()
+        if p not in kept and not any(h in cmd for h in _HELPERS)
+    }
 
 
 def creator(name: str) -> int | None:
@@ -222,10 +298,39 @@ def method_id(method: str | None) -> str:
     return "default" if method is None else method
 
 
-@pytest.fixture(params=START_METHODS, ids=method_id)
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--start-methods",
+        default=None,
+        help="run the tests of start_method under these methods only, e.g. "
+        "'default,spawn' (a leg of CI's matrix whose point is not the start methods)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test of ``start_method`` runs under every start method, or, marked
+    ``transport`` (and not ``process``), under TRANSPORT_METHODS; ``--start-methods``
+    keeps only some of them."""
+    if "start_method" in metafunc.fixturenames:
+        transport = _is_transport(metafunc.definition)
+        methods = TRANSPORT_METHODS if transport else START_METHODS
+        only = metafunc.config.getoption("--start-methods")
+        if only:
+            methods = [m for m in methods if method_id(m) in only.split(",")]
+        metafunc.parametrize("start_method", methods, ids=method_id, indirect=True)
+
+
+def _is_transport(node: pytest.Item) -> bool:
+    """Whether a test is of transport semantics: marked ``transport`` (itself or its
+    module), and not ``process`` (a test of a transport module that is about how a
+    worker starts, e.g. what an initializer is given)."""
+    return bool(node.get_closest_marker("transport")) and not node.get_closest_marker("process")
+
+
+@pytest.fixture
 def start_method(request: pytest.FixtureRequest) -> str | None:
-    """Every behaviour is tested under each start method, and sharexec's default (None:
-    the ``mp_context`` a user who passes none gets)."""
+    """The start method under test (None: the ``mp_context`` a user who passes none
+    gets); see ``pytest_generate_tests``."""
     method: str | None = request.param
     return method
 
@@ -252,9 +357,10 @@ def no_leaks() -> Iterator[None]:
     yield
     drop_warm_arrays()
     assert_none_left(segments_now() - before)
-    if workers_left():
+    left = workers_left()
+    if left:
         faults_plugin.crashed("processes left behind")
-    assert not workers_left(), f"processes left behind: {workers_left()}"
+    assert not left, f"processes left behind: {left}"
 
 
 def drop_warm_arrays() -> None:
@@ -275,14 +381,78 @@ def assert_none_left(left: set[str]) -> None:
 
 @pytest.fixture
 def executor(
-    start_method: str | None, no_leaks: None
+    request: pytest.FixtureRequest,
+    start_method: str | None,
+    no_leaks: None,
+    reused_pools: dict[str | None, sharexec.SharedProcessPoolExecutor],
 ) -> Iterator[sharexec.SharedProcessPoolExecutor]:
-    """A 2-worker executor, shut down (waiting) on teardown; nothing may be left after."""
-    ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+    """A 2-worker executor; nothing may be left after the test, and it may not be broken.
+
+    A test of process semantics gets a new one, shut down (waiting) after it. A test
+    marked ``transport`` gets the module's pool for its start method (``reused_pools``),
+    made at the first such test and reset after each (every call done, its warm
+    segments dropped: what the test made must be gone, as ``no_leaks`` checks); one
+    that breaks it or shuts it down leaves it to the next test new. Mark a transport
+    test ``fresh_pool`` if it needs a pool of its own (it counts statistics from zero,
+    it relies on which worker took what).
+    """
+    node = request.node
+    reuse = _is_transport(node) and not node.get_closest_marker("fresh_pool")
+    ex = reused_pools.get(start_method) if reuse else None
+    if ex is None:
+        ex = sharexec.SharedProcessPoolExecutor(2, mp_context=start_method)
+        if reuse:
+            reused_pools[start_method] = ex
     try:
         yield ex
     finally:
-        ex.shutdown(wait=True)
+        if reuse and not ex._pool_shut_down:
+            _reset(ex)
+        else:
+            if reuse:  # the test shut it down: the next one makes a new one
+                del reused_pools[start_method]
+            ex.shutdown(wait=True)
         if ex._flags.broken is not None:
             faults_plugin.crashed("the pool was broken")
         assert ex._flags.broken is None, "the pool was broken"
+
+
+def _reset(ex: sharexec.SharedProcessPoolExecutor) -> None:
+    """Bring a reused pool back to where the next test may start: every call of the
+    test done (bounded), and the warm segments kept for reuse dropped."""
+    deadline = time.monotonic() + 60
+    for future in ex._pending_futures():  # futures, and map's slots (no condition)
+        with contextlib.suppress(BaseException):
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+    running = [f for f in ex._pending_futures() if not f.done()]
+    assert not running, f"{len(running)} calls still running after the test"
+    gc.collect()  # results the test dropped, in cycles: their segments join the pool
+    ex._transport.pool.clear()
+
+
+# The pools of the module's transport tests, by start method: {None: <executor>, ...}.
+_REUSED: list[dict[str | None, sharexec.SharedProcessPoolExecutor]] = []
+
+
+@pytest.fixture(scope="module")
+def reused_pools() -> Iterator[dict[str | None, sharexec.SharedProcessPoolExecutor]]:
+    """The pools the transport tests of one module share (see ``executor``), shut down
+    after the module: then every worker of theirs must be gone."""
+    before = segments_now()
+    pools: dict[str | None, sharexec.SharedProcessPoolExecutor] = {}
+    _REUSED.append(pools)
+    try:
+        yield pools
+    finally:
+        _REUSED.remove(pools)
+        workers = [p.pid for ex in pools.values() for p in ex._pool_processes()]
+        for ex in pools.values():
+            ex.shutdown(wait=True)
+        assert not wait_exit(workers, timeout=30), "a reused pool's workers outlived it"
+        drop_warm_arrays()
+        assert_none_left(segments_now() - before)
+
+
+def _reused_workers() -> set[int]:
+    """The workers of the reused pools alive now."""
+    return {p.pid for pools in _REUSED for ex in pools.values() for p in ex._pool_processes()}

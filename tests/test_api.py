@@ -138,6 +138,7 @@ def test_tensor_sharing_takes_one_of_its_roads(monkeypatch):
         Options.resolve({})
 
 
+@pytest.mark.transport
 def test_threshold_decides_what_is_shared(start_method, no_leaks):
     a = np.ones(1000)  # 8 kB
     with sharexec.SharedProcessPoolExecutor(
@@ -182,6 +183,7 @@ def test_submit_after_shutdown_raises_runtime_error(executor):
     assert type(info.value) is RuntimeError
 
 
+@pytest.mark.transport
 def test_keyword_named_fn_reaches_the_function(executor):
     assert executor.submit(_kw, fn=1, self=2).result() == {"fn": 1, "self": 2}
     with pytest.raises(TypeError):
@@ -192,6 +194,7 @@ def _kw(**kwargs):
     return kwargs
 
 
+@pytest.mark.transport
 def test_map_with_chunksize_and_timeout(executor):
     chunks = [np.full(200_000, i, dtype=float) for i in range(10)]
     got = list(executor.map(workers.total, chunks, chunksize=3, timeout=60))

@@ -37,7 +37,7 @@ from sharexec import _batching, _config, _loky
 from sharexec._transport import Task, Transport
 from sharexec._worker import run, run_batch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 
 @contextmanager
@@ -340,6 +340,7 @@ def test_the_estimate_goes_up_at_once_and_down_slowly():
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_a_worker_dying_inside_a_batch_breaks_its_calls_only_with_broken_pool(
     start_method, no_leaks
 ):
@@ -472,6 +473,7 @@ def test_arrays_in_batched_calls_travel_per_call_and_leave_no_segment(executor):
     del made, future, result  # the results' segments go (the fixture checks none is left)
 
 
+@pytest.mark.process
 def test_batched_calls_see_the_initializer(start_method, no_leaks):
     table = np.arange(100_000.0)
     shared = sharexec.zeros(4)
@@ -487,6 +489,7 @@ def test_batched_calls_see_the_initializer(start_method, no_leaks):
     del shared
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("how", ["option", "max_tasks_per_child"])
 def test_batching_is_off_with_the_option_or_max_tasks_per_child(start_method, no_leaks, how):
     if how == "max_tasks_per_child" and start_method == "fork":

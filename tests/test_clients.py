@@ -21,7 +21,7 @@ import pytest
 
 import sharexec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 # differential_evolution: a small, quick problem (45 members x 31 generations).
 DE_BOUNDS = [(-2.0, 2.0)] * 3

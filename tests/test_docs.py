@@ -225,3 +225,25 @@ def test_the_readme_counts_the_slow_tests_it_deselects():
     collected = re.search(r"(\d+)/\d+ tests collected", out.stdout)
     assert collected, out.stdout + out.stderr
     assert collected[1] == stated[1], "update README.md's count of slow tests"
+
+
+def test_the_supported_pythons_agree_everywhere():
+    """The README's support policy, pyproject.toml (requires-python and classifiers) and
+    the matrix of noxfile.py name the same Pythons."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stated = re.search(r"sharexec supports \*\*CPython ([\d., and]+)\*\*", readme)
+    assert stated, "README.md: which Pythons sharexec supports"
+    in_readme = re.findall(r"3\.\d+", stated[1])
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    classifiers = [
+        c.rsplit(" :: ", 1)[1]
+        for c in project["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    ]
+    nox_pythons = re.search(r"^PYTHONS = (\[.*\])$", (ROOT / "noxfile.py").read_text(), re.M)
+    assert nox_pythons, "noxfile.py: PYTHONS"
+    assert in_readme == classifiers == ast.literal_eval(nox_pythons[1])
+    assert project["requires-python"] == f">={in_readme[0]}"

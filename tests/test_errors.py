@@ -12,7 +12,7 @@ import workers
 
 import sharexec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 
 def test_unpicklable_argument_fails_only_its_future(executor):

@@ -562,6 +562,7 @@ needs_root = pytest.mark.skipif(
 
 
 @needs_root
+@pytest.mark.transport  # where the bytes go: the same whatever started the worker
 def test_small_dev_shm_spills_to_disk(start_method, tmp_path):
     (tmp_path / "spill").mkdir()
     out = in_small_shm(tmp_path, SMALL_SHM, start_method, "true &&")
@@ -574,6 +575,7 @@ def test_small_dev_shm_spills_to_disk(start_method, tmp_path):
 
 
 @needs_root
+@pytest.mark.transport  # where the bytes go: the same whatever started the worker
 def test_no_room_anywhere_falls_back_to_pickling(start_method, tmp_path):
     (tmp_path / "spill").mkdir()
     script = SMALL_SHM.replace(
@@ -693,6 +695,7 @@ def test_a_frozen_worker_is_ended_once_the_parent_is_gone(start_method, tmp_path
     proc.stderr.close()
 
 
+@pytest.mark.transport  # where the bytes go: the same whatever started the worker
 def test_kept_results_hold_no_file_descriptor(start_method, tmp_path):
     """With a soft limit of 256 open files, 600 results of 512 KiB and 300 shared arrays
     stay alive at once; the pool stays within its count after a call of 400 buffers."""
@@ -730,6 +733,7 @@ def test_kept_results_hold_no_file_descriptor(start_method, tmp_path):
     assert_none_left(left_by(proc))
 
 
+@pytest.mark.transport  # where the bytes go: the same whatever started the worker
 def test_out_of_descriptors_falls_back_to_pickling(start_method, tmp_path):
     """A program that uses every file descriptor it may: a large argument is pickled
     instead of shared, exact, with one warning that names the limit."""
@@ -772,6 +776,7 @@ def test_out_of_descriptors_falls_back_to_pickling(start_method, tmp_path):
     assert_none_left(left_by(proc))
 
 
+@pytest.mark.transport  # where the bytes go: the same whatever started the worker
 def test_shutdown_without_waiting_keeps_no_copy(start_method, no_leaks):
     """``shutdown(wait=False)`` while tasks with large arguments run or wait: the pool is
     emptied at once, and once the tasks are done no copy of theirs (nor of the

@@ -22,7 +22,7 @@ import sharexec
 from sharexec import _segments, _tracking, _worker
 from sharexec._arrays import byte_bounds
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 LARGE = 300_000  # float64 elements: 2.4 MB, above the 256 KiB default threshold
 

@@ -17,7 +17,7 @@ import sharexec
 from sharexec import _segments, _tracking
 from sharexec._arrays import byte_bounds
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 
 def segment_of(a: np.ndarray) -> str:
@@ -177,3 +177,33 @@ def test_nothing_left_after_exit_of_a_program_using_everything(tmp_path):
     )
     assert out.stdout.strip() == "ok", out.stderr
     assert segments_now() == before
+
+
+def test_a_pooled_segment_idle_too_long_is_dropped_and_unlinked(no_leaks):
+    """A warm segment unused for WARM_IDLE_SECONDS leaves the pool at its next use (and
+    so is unlinked), the younger ones stay; the pool's bounds hold as segments come in.
+    (The timer that trims an idle pool calls the same trim.)"""
+    from sharexec import _config, _warm
+
+    pool = _warm.SegmentPool(limit=3 * 8192, count=2)
+    old, young, third = (_tracking.new_shared(8192) for _ in range(3))
+    names = [m.name for m in (old, young, third)]
+    pool.put(old)
+    pool.put(young)
+    del old, young
+    # the first came in longer ago than the pool keeps an idle segment
+    entry = pool._pool[0]
+    pool._pool[0] = (entry[0], entry[1] - _config.WARM_IDLE_SECONDS - 1)
+    del entry
+    assert pool.take(1 << 30) is None  # nothing that large: a use that trims
+    gc.collect()
+    assert pool.names() == [names[1]]
+    assert names[0] not in segments_now()  # dropped: unlinked
+    pool.put(third)
+    del third
+    assert pool.totals() == (2, 2 * 8192)
+    pool.put(_tracking.new_shared(8192))  # one more than its count: the oldest goes
+    gc.collect()
+    assert len(pool) == 2 and names[1] not in pool.names()
+    assert names[1] not in segments_now()
+    pool.close()

@@ -8,6 +8,7 @@ import dis
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import loky
@@ -105,8 +106,6 @@ def test_forkingpicklers_registrations_are_read_live():
 
 
 def test_the_supported_versions_are_the_pin():
-    # tomllib is in the stdlib since Python 3.11; the test extra brings tomli before.
-    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     with open(PACKAGE.parent / "pyproject.toml", "rb") as f:
         dependencies = tomllib.load(f)["project"]["dependencies"]
     assert f"loky{_loky.SUPPORTED_LOKY}" in dependencies

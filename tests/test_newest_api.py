@@ -54,6 +54,7 @@ class Counted:
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.transport
 @pytest.mark.parametrize(
     ("buffersize", "error"),
     [(0, ValueError), (-1, ValueError), (1.5, TypeError), ("2", TypeError)],
@@ -65,6 +66,7 @@ def test_a_bad_buffersize_is_refused_as_the_stdlib_does(executor, buffersize, er
     assert items.taken == 0  # refused before anything is submitted
 
 
+@pytest.mark.transport
 def test_map_with_a_buffersize_takes_items_as_results_are_taken(executor):
     items = Counted(itertools.count())  # endless: without a buffer, map never returns
     results = executor.map(workers.identity, items, buffersize=3)
@@ -75,6 +77,7 @@ def test_map_with_a_buffersize_takes_items_as_results_are_taken(executor):
     results.close()  # cancels what was submitted ahead
 
 
+@pytest.mark.transport
 def test_map_with_a_buffersize_and_chunks_counts_chunks(executor):
     items = Counted(itertools.count())
     results = executor.map(workers.identity, items, chunksize=4, buffersize=2)
@@ -85,6 +88,7 @@ def test_map_with_a_buffersize_and_chunks_counts_chunks(executor):
     results.close()
 
 
+@pytest.mark.transport
 def test_map_with_a_buffersize_gives_every_result_in_order_and_raises_in_place(executor):
     values = [1.0, 2.0, 0.0, 4.0]
     results = executor.map(workers.inverse, values, buffersize=2)
@@ -97,11 +101,13 @@ def test_map_with_a_buffersize_gives_every_result_in_order_and_raises_in_place(e
         next(results)
 
 
+@pytest.mark.transport
 def test_map_with_a_buffersize_and_several_iterables_stops_at_the_shortest(executor):
     results = executor.map(workers.add, range(5), itertools.count(10), buffersize=2)
     assert list(results) == [10, 12, 14, 16, 18]
 
 
+@pytest.mark.transport
 def test_map_with_a_buffersize_honours_its_timeout(executor):
     results = executor.map(time.sleep, [2.0, 2.0], buffersize=1, timeout=0.2)
     # concurrent.futures' own TimeoutError (the builtin one only since Python 3.11)
@@ -109,6 +115,7 @@ def test_map_with_a_buffersize_honours_its_timeout(executor):
         next(results)  # the call is slow (not waited for: the timeout is the point)
 
 
+@pytest.mark.transport
 def test_map_without_a_buffersize_submits_everything_at_once(executor):
     items = Counted(iter(range(50)))
     results = executor.map(workers.identity, items)

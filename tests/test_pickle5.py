@@ -11,7 +11,7 @@ import pytest
 import workers
 from test_lifetime import callbacks_done
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 N = 200_000  # rows: each numeric column is 1.6 MB, above min_share_bytes
 

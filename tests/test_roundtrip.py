@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import roundtrip_cases as rc
 import workers
+from conftest import TRANSPORT_METHODS, method_id
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as npst
@@ -26,7 +27,7 @@ from hypothesis.extra import numpy as npst
 import sharexec
 from sharexec._config import DEFAULT_MIN_SHARE_BYTES
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 # An x87 long double holds 10 meaningful bytes in 16; the rest is padding nobody reads.
 _LONGDOUBLE_BYTES = 10 if np.finfo(np.longdouble).nmant == 63 else np.dtype(np.longdouble).itemsize
@@ -419,8 +420,8 @@ def array_views(draw: Any) -> np.ndarray:
 
 @pytest.fixture(
     scope="class",
-    params=[(m, t) for t in (ROOMY, None) for m in ("spawn", "fork", "forkserver", "loky")],
-    ids=lambda p: f"{p[0]}-{p[1] or 'default'}",
+    params=[(m, t) for t in (ROOMY, None) for m in TRANSPORT_METHODS],
+    ids=lambda p: f"{method_id(p[0])}-{p[1] or 'default'}",
 )
 def reused_executor(request: pytest.FixtureRequest) -> Iterator[tuple[Any, int]]:
     """One executor for every example (class-scoped: gone before the next test class or

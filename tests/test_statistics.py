@@ -13,7 +13,7 @@ import pytest
 
 import sharexec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 MiB = 1 << 20
 

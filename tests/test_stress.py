@@ -25,7 +25,7 @@ import pytest
 
 import sharexec
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.transport]
 
 THREADS = 8
 MB = 1 << 20
@@ -217,6 +217,7 @@ def submitter(
     totals.update(seen)
 
 
+@pytest.mark.fresh_pool  # it counts every call of the pool
 @pytest.mark.parametrize("tasks", [TASKS])
 def test_threads_submitting_mixed_tasks(executor, tasks):
     # The workers start before the threads do: under fork, a worker forked while another

@@ -27,7 +27,7 @@ from test_faults import finish, left_by, run_scenario  # noqa: E402
 import sharexec  # noqa: E402
 from sharexec import _tensors  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.transport]
 
 # A process forked after torch ran a parallel region on its OpenMP threads (torch.zeros of
 # a large tensor does) deadlocks in its own first one: GNU OpenMP is not fork-safe. That is
@@ -334,6 +334,7 @@ def test_a_result_sent_back_to_a_task_is_shared_with_it(executor):
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_no_segment_left_after_a_worker_is_killed(start_method, tmp_path):
     proc = run_scenario(
         tmp_path,
@@ -420,6 +421,7 @@ def test_import_sharexec_does_not_import_torch():
     assert out.stdout.split() == ["False", "False"], out.stderr
 
 
+@pytest.mark.process
 def test_a_worker_imports_torch_only_for_a_task_that_carries_a_tensor(start_method, no_leaks):
     if start_method == "fork":
         pytest.skip("a forked worker inherits the parent's modules, torch among them")

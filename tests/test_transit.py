@@ -11,9 +11,9 @@ standard pickler finds by name travels by name.
   not as a copy made by value: checked in a fresh interpreter that never imports that
   module.
 
-Under the default start method and spawn: what a worker has imported at its start is
-all that differs between start methods here, and these two are its extremes (forks of a
-server that preloaded NumPy; a fresh interpreter).
+Transport semantics (``conftest``): under the default start method and spawn. What a
+worker has imported at its start is all that differs between start methods here, and
+these two are its extremes (forks of a server that preloaded NumPy; a fresh interpreter).
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ from conftest import method_id
 
 import sharexec
 
-pytestmark = pytest.mark.timeout(120)
-
-METHODS = pytest.mark.parametrize("start_method", ["spawn", None], ids=method_id)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 # What goes wrong with the bad call -> the error its future raises, and its message.
 EXPECTED: dict[str, tuple[type[BaseException], str]] = {
@@ -103,7 +101,6 @@ def workers_held(ex: sharexec.SharedProcessPoolExecutor) -> Iterator[None]:
             assert [b.result(timeout=60) for b in blockers] == [True, True]
 
 
-@METHODS
 @pytest.mark.parametrize("case", list(EXPECTED))
 @pytest.mark.timeout(60)
 def test_a_call_failing_in_transit_fails_its_own_future(executor, case):
@@ -116,7 +113,6 @@ def test_a_call_failing_in_transit_fails_its_own_future(executor, case):
     assert executor.submit(transit_workers.outcome, 3).result(timeout=30) == 3
 
 
-@METHODS
 @pytest.mark.parametrize("case", list(EXPECTED))
 @pytest.mark.timeout(90)
 def test_a_call_failing_in_transit_fails_alone_in_its_batch(executor, case):
@@ -212,7 +208,6 @@ SCRIPT = """
 """
 
 
-@METHODS
 @pytest.mark.timeout(100)
 def test_classes_of_modules_not_imported_travel_by_name(start_method, tmp_path, no_leaks):
     package = tmp_path / "lazypkg"

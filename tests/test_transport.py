@@ -14,7 +14,7 @@ import workers
 
 import sharexec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 LARGE = 300_000  # float64 elements: 2.4 MB, above the 256 KiB default threshold
 SMALL = 100
@@ -167,6 +167,7 @@ def test_worker_allocated_shared_array_is_handed_to_parent(executor):
     assert r[:10].tolist() == [-1.0] * 10 and r[10] == 4.0
 
 
+@pytest.mark.process
 def test_shared_array_passed_as_initarg(start_method, no_leaks):
     flags = sharexec.zeros(64)
     table = np.arange(LARGE, dtype=float)
@@ -430,6 +431,7 @@ def test_map_over_chunks_of_a_large_array(executor):
     assert list(executor.map(workers.in_segment, chunks)) == [True] * 16
 
 
+@pytest.mark.process
 def test_private_array_passed_as_initarg_is_copied_once(start_method, no_leaks):
     table = np.arange(LARGE, dtype=float)
     flags = sharexec.zeros(64)

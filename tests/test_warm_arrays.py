@@ -20,7 +20,7 @@ import sharexec
 from sharexec import _arrays, _tracking
 from sharexec._config import WARM_SEGMENTS
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
 
 N = 1 << 18  # 2 MiB of float64: above min_share_bytes, a segment of its own
 

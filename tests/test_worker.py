@@ -61,6 +61,7 @@ def test_a_large_buffer_returned_without_numpy_still_comes_through_a_segment(
         assert "sharexec._reduction" in ex.submit(plain_workers.heavy_modules).result()
 
 
+@pytest.mark.transport
 def test_a_long_list_of_plain_values_comes_back(executor):
     values = [*range(1000), "a", 2.5, None]
     assert executor.submit(plain_workers.echo, values).result() == values

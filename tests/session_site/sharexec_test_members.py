@@ -59,17 +59,3 @@ def install() -> None:
     if not _installed:
         _installed = True
         os.register_at_fork(after_in_child=record)
-
-
-def members(path: str) -> dict[int, set[int | None]]:
-    """The processes recorded in one members file: {pid: {start times}}."""
-    found: dict[int, set[int | None]] = {}
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return found
-    for line in lines:
-        pid, _, started = line.partition(" ")
-        found.setdefault(int(pid), set()).add(None if started == "None" else int(started))
-    return found
