@@ -62,14 +62,7 @@ from . import _tracking
 from ._batching import Batching
 from ._cluster import ClusterExecutor, chosen
 from ._config import Options
-from ._loky import (
-    FutureCondition,
-    LokyExecutor,
-    LokyFuture,
-    cpu_count,
-    get_context,
-    warm_context,
-)
+from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context, warm_context
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, Failure, dumps_sharing_globals
 from ._worker import run, run_batch, run_chunk, run_initializer
@@ -258,8 +251,9 @@ class SharedProcessPoolExecutor(LokyExecutor):
         initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress(), self._init_pickled)
         initializer = run_initializer
         self._sweeper_reached = False  # see submit
-        # One condition guards the state of every future of this executor (see LokyFuture).
-        self._new_future = partial(_Future, condition=FutureCondition())
+        # One lock guards the state of the futures of this executor that have none of
+        # their own yet (see LokyFuture).
+        self._new_future = partial(_Future, lock=threading.RLock())
         workers = cpu_count() if max_workers is None else max_workers
         # Queued calls of functions measured short travel together (see _batching);
         # not with max_tasks_per_child, which counts what a worker takes.
@@ -701,8 +695,8 @@ class _Future(LokyFuture):
     No reference to the executor, so that a future never keeps it alive.
     """
 
-    def __init__(self, task: Task, condition: FutureCondition | None = None) -> None:
-        super().__init__(condition)
+    def __init__(self, task: Task, lock: threading.RLock | None = None) -> None:
+        super().__init__(lock)
         self.task: Task | None = task  # until released
 
     def set_result(self, result: Any) -> None:
@@ -727,8 +721,11 @@ class _Future(LokyFuture):
 
     def _release(self, delivered: Delivered | None) -> None:
         """Release the task's segments, once, before the future is seen done."""
-        with self._state_lock:
+        lock = self._hold()
+        try:
             task, self.task = self.task, None
+        finally:
+            lock.release()
         if task is not None:
             task.release(delivered)
             task.transport.counts.add("tasks_done")

@@ -42,8 +42,9 @@ else in sharexec; the rest of the package sees the small surface below, with pla
   in a worker of another pool), loky's leak check measures private memory, not the
   shared pages a worker maps. This is the one thing of loky that is replaced: a module
   attribute of ``loky.process_executor``, in the worker process.
-* :class:`LokyFuture`, the base of sharexec's future: loky's, with the lock that guards
-  its state (``concurrent.futures.Future._condition``) named ``_state_lock``.
+* :class:`LokyFuture`, the base of sharexec's future: loky's, whose lock
+  (``concurrent.futures.Future._condition``, which ``wait`` and ``as_completed`` take)
+  is made when first asked for; until then the futures of one executor share one.
 
 Also offered, being public loky API: :func:`cpu_count` and :func:`get_context`.
 
@@ -112,7 +113,6 @@ __all__ = [
     "BatchOutcome",
     "BatchPolicy",
     "CallBatch",
-    "FutureCondition",
     "LokyExecutor",
     "LokyFuture",
     "count_private_memory_only",
@@ -282,7 +282,12 @@ def _problems() -> list[str]:
             "CANCELLED",
             "CANCELLED_AND_NOTIFIED",
             "InvalidStateError",
+            "CancelledError",
+            "TimeoutError",
+            "LOGGER",
         ),
+        # wait() and as_completed() take each future's _condition (see LokyFuture).
+        *_uses(futures_base, "_AcquireFutures.__enter__", "_condition"),
         *_assigns(
             futures_base,
             "Future",
@@ -292,12 +297,6 @@ def _problems() -> list[str]:
             "_exception",
             "_waiters",
             "_done_callbacks",
-        ),
-        *_has(
-            threading,
-            "Condition._release_save",
-            "Condition._acquire_restore",
-            "Condition._is_owned",
         ),
         *_has(mp_reduction, "ForkingPickler._extra_reducers"),
         # The worker's leak check (its measure exists only where psutil does).
@@ -1575,64 +1574,95 @@ def _private_memory(pid: int, force_gc: bool = False) -> int:
 
 _FINISHED = futures_base.FINISHED  # the state of a future with its outcome
 # The states of a future that is done (cancelled, or with its outcome).
-_DONE = frozenset({futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED, _FINISHED})
+_CANCELLED = frozenset({futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED})
+_DONE = _CANCELLED | {_FINISHED}
 
 
-class FutureCondition(threading.Condition):
-    """A future's condition: ``threading.Condition`` over an ``RLock``, whose lock
-    methods are the class's, not five methods bound per instance (a future is made per
-    call: five objects fewer for the garbage collector to walk, each time)."""
+class _Awaited:
+    """What ``result()`` and ``exception()`` of a pending future wait on, in its list of
+    waiters (as ``concurrent.futures.wait`` puts its own): a lock held until the future
+    is done, or cancelled."""
+
+    __slots__ = ("_held",)
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._waiters: deque[Any] = deque()
+        self._held = threading.Lock()
+        self._held.acquire()
 
-    def __enter__(self) -> bool:
-        return bool(self._lock.__enter__())
+    def wait(self, timeout: float | None) -> None:
+        if timeout is None:
+            self._held.acquire()
+        else:
+            self._held.acquire(True, max(timeout, 0))
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return bool(self._lock.acquire(blocking, timeout))
+    def wake(self, future: Any = None) -> None:
+        """Let the waiting thread go (called with the future's state locked)."""
+        if self._held.locked():
+            self._held.release()
 
-    def release(self) -> None:
-        self._lock.release()
-
-    def _release_save(self) -> Any:
-        return self._lock._release_save()  # type: ignore[attr-defined]
-
-    def _acquire_restore(self, state: Any) -> None:
-        self._lock._acquire_restore(state)  # type: ignore[attr-defined]
-
-    def _is_owned(self) -> bool:
-        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+    add_result = add_exception = add_cancelled = wake  # a waiter's methods
 
 
 class LokyFuture(loky.Future):  # type: ignore[misc]
-    """loky's future (the standard library's, whose callbacks log what they raise), with
-    the lock that guards its state named for subclasses, made for many calls at once.
+    """loky's future (the standard library's, whose callbacks log what they raise), made
+    for many calls at once.
 
     A future is made per call, and ten thousand tiny calls keep ten thousand pending, so
-    each costs the garbage collector one object instead of six, which halves the
-    collections of W5 (and its time by a third):
+    each costs the garbage collector as few objects as may be:
 
-    * its condition may be shared (``condition``: one per executor, notified whenever
-      any of its futures changes state), so ``result()`` and ``exception()`` wait for
-      their own future's state, not for a notification;
-    * its lists of waiters (``concurrent.futures.wait`` and ``as_completed`` put theirs
-      there) and of done callbacks are made when first asked for.
+    * The lock that guards its state is made when first asked for: until then, it is one
+      lock shared by the futures of one executor (``lock``). ``future._condition``, the
+      lock that ``concurrent.futures.wait`` and ``as_completed`` take in their order (by
+      future id) over the futures they wait for, makes the future's own: a lock shared
+      by several futures would make that order no order at all, and two threads waiting
+      on futures of two executors deadlock. The swap is made under the shared lock, and
+      what changes the state takes the shared lock first, then (released) the future's
+      own if there is one (``_hold``).
+    * Its lists of waiters (``wait`` and ``as_completed`` put theirs there) and of done
+      callbacks are made when first asked for. ``result()`` and ``exception()`` that have
+      to wait put a waiter of their own there too (:class:`_Awaited`, a held lock): a
+      thread waiting on one future is woken by that one only.
 
-    ``result()`` of a future done with a result, and ``cancel()`` of a done one, answer
-    without taking the lock (ten thousand tiny calls take ten thousand results): a
-    finished future never changes, and its result is set before its state.
+    ``result()`` of a future done with a result, ``cancel()`` of a done one, and
+    ``done()``, ``running()`` and ``cancelled()`` answer without taking the lock (ten
+    thousand tiny calls take ten thousand results): they read one attribute, and a
+    finished future's result is set before its state.
     """
 
-    def __init__(self, condition: FutureCondition | None = None) -> None:
-        # As concurrent.futures.Future.__init__, with a lighter (or shared) condition.
-        self._condition = FutureCondition() if condition is None else condition
+    def __init__(self, lock: threading.RLock | None = None) -> None:
+        # As concurrent.futures.Future.__init__, with a lock shared until asked for.
+        self._shared_lock = threading.RLock() if lock is None else lock
+        self._own_lock: threading.RLock | None = None
         self._state = futures_base.PENDING
         self._result: Any = None
         self._exception: BaseException | None = None
         self._waiters_made: list[Any] | None = None
         self._callbacks_made: list[Any] | None = None
+
+    @property
+    def _condition(self) -> threading.RLock:
+        """The future's own lock (``concurrent.futures.Future._condition``, which the
+        standard library's ``wait`` and ``as_completed`` take), made when first asked for."""
+        own = self._own_lock
+        if own is None:
+            with self._shared_lock:
+                own = self._own_lock
+                if own is None:
+                    own = self._own_lock = threading.RLock()
+        return own
+
+    def _hold(self) -> threading.RLock:
+        """Take the lock that guards the future's state now, and return it (to release):
+        the shared one while the future has no lock of its own. Never held while another
+        future's lock is taken, but in the standard library's order."""
+        shared = self._shared_lock
+        shared.acquire()
+        own = self._own_lock
+        if own is None:
+            return shared
+        shared.release()  # the own lock is the future's for good
+        own.acquire()
+        return own
 
     @property
     def _waiters(self) -> list[Any]:
@@ -1647,52 +1677,115 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
         return self._callbacks_made
 
     def _await_done(self, timeout: float | None) -> None:
-        """Wait (holding the condition) until this future is done, or ``timeout``."""
-        self._condition.wait_for(lambda: self._state in _DONE, timeout)
+        """Wait until this future is done (cancelled, or with its outcome), or ``timeout``."""
+        if self._state in _DONE:
+            return
+        lock = self._hold()
+        try:
+            if self._state in _DONE:
+                return
+            awaited = _Awaited()
+            self._waiters.append(awaited)
+        finally:
+            lock.release()
+        try:
+            awaited.wait(timeout)
+        finally:
+            lock = self._hold()
+            try:
+                self._waiters.remove(awaited)
+            finally:
+                lock.release()
 
     def result(self, timeout: float | None = None) -> Any:
         if self._state == _FINISHED and self._exception is None:
             return self._result
-        with self._condition:
-            self._await_done(timeout)
-            return super().result(0)  # the answer for the state now: raises if not done
+        self._await_done(timeout)
+        state = self._state  # done for good, or not done in time
+        if state == _FINISHED:
+            if self._exception is not None:
+                try:
+                    raise self._exception
+                finally:
+                    self = None  # type: ignore[assignment]  # no cycle through the traceback
+            return self._result
+        if state in _DONE:
+            raise futures_base.CancelledError()
+        raise futures_base.TimeoutError()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        with self._condition:
-            self._await_done(timeout)
-            return super().exception(0)  # type: ignore[no-any-return]
+        self._await_done(timeout)
+        state = self._state
+        if state == _FINISHED:
+            return self._exception
+        if state in _DONE:
+            raise futures_base.CancelledError()
+        raise futures_base.TimeoutError()
+
+    def done(self) -> bool:
+        return self._state in _DONE
+
+    def running(self) -> bool:
+        return bool(self._state == futures_base.RUNNING)
+
+    def cancelled(self) -> bool:
+        return self._state in _CANCELLED
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None:
+        lock = self._hold()
+        try:
+            if self._state not in _DONE:
+                self._done_callbacks.append(fn)
+                return
+        finally:
+            lock.release()
+        try:
+            fn(self)
+        except Exception:
+            futures_base.LOGGER.exception("exception calling callback for %r", self)
 
     def cancel(self) -> bool:
         if self._state == _FINISHED:
             return False
-        with self._condition:
+        lock = self._hold()
+        try:
             if self._state in (futures_base.RUNNING, _FINISHED):
                 return False
             if self._state in _DONE:  # cancelled already
                 return True
             self._state = futures_base.CANCELLED
-            self._condition.notify_all()
+            for waiter in self._waiters_made or ():
+                if type(waiter) is _Awaited:  # wait() sees it once the executor does
+                    waiter.wake()
+        finally:
+            lock.release()
         self._invoke_callbacks()
         return True
 
     def set_pending_again(self) -> None:
         """Its call was handed back unstarted (a batch's, see ``_Manager``): pending
         again, so it may be cancelled until it is handed out again."""
-        with self._condition:
+        lock = self._hold()
+        try:
             if self._state == futures_base.RUNNING:
                 self._state = futures_base.PENDING
+        finally:
+            lock.release()
 
     def set_running_or_notify_cancel(self) -> bool:
-        with self._condition:
+        lock = self._hold()
+        try:
             if self._state == futures_base.CANCELLED:
                 self._state = futures_base.CANCELLED_AND_NOTIFIED
                 for waiter in self._waiters_made or ():
                     waiter.add_cancelled(self)
-                return False  # (cancel() notified the condition)
+                return False
             if self._state == futures_base.PENDING:
                 self._state = futures_base.RUNNING
                 return True
             state = self._state
+        finally:
+            lock.release()
         raise RuntimeError(f"Future in unexpected state: {state}")
 
     def set_result(self, result: Any) -> None:
@@ -1704,22 +1797,18 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
     def _finish(self, result: Any, exception: BaseException | None, tell: str) -> None:
         """Done with its outcome: the waiters told (``tell``, their method), then the
         callbacks called."""
-        with self._condition:
+        lock = self._hold()
+        try:
             if self._state in _DONE:
                 raise futures_base.InvalidStateError(f"{self._state}: {self!r}")
             self._result, self._exception = result, exception
             self._state = _FINISHED
             for waiter in self._waiters_made or ():
                 getattr(waiter, tell)(self)
-            self._condition.notify_all()
+        finally:
+            lock.release()
         self._invoke_callbacks()
 
     def _invoke_callbacks(self) -> None:
         if self._callbacks_made:  # loky's: each callback's exception logged
             super()._invoke_callbacks()
-
-    @property
-    def _state_lock(self) -> threading.Condition:
-        """The condition that guards the future's state (``Future._condition``)."""
-        lock: threading.Condition = self._condition
-        return lock

@@ -266,10 +266,10 @@ def test_as_completed_sees_results_as_they_come(executor):
 
 
 def test_a_thread_waiting_on_one_future_is_not_woken_by_the_others(executor):
-    """The futures of one executor share a condition (one object fewer per call): a
-    thread waiting on one of them waits for that one, while a thousand others finish."""
+    """The futures of one executor share a lock (one object fewer per call): a thread
+    waiting on one of them waits for that one, while a thousand others finish."""
     with long_and_short(executor) as (go, long_call, short):
-        assert long_call._condition is short[0]._condition
+        assert long_call._shared_lock is short[0]._shared_lock
         outcome: list[Any] = []
         waiting = threading.Thread(target=lambda: outcome.append(long_call.result()))
         waiting.start()
@@ -284,9 +284,9 @@ def test_a_thread_waiting_on_one_future_is_not_woken_by_the_others(executor):
         assert outcome == [True] and long_call.exception() is None
 
 
-def test_futures_sharing_a_condition_keep_the_standard_semantics():
-    condition = _loky.FutureCondition()
-    a, b, c = (_loky.LokyFuture(condition) for _ in range(3))
+def test_futures_sharing_a_lock_keep_the_standard_semantics():
+    lock = threading.RLock()
+    a, b, c = (_loky.LokyFuture(lock) for _ in range(3))
     assert a._waiters_made is None and a._callbacks_made is None  # made when asked for
     called: list[Any] = []
     a.add_done_callback(called.append)
