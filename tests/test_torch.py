@@ -27,7 +27,9 @@ from test_faults import finish, left_by, run_scenario  # noqa: E402
 import sharexec  # noqa: E402
 from sharexec import _tensors  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.transport]
+# Tensors are transport semantics (the default start method and spawn), each test on a
+# pool of its own: most count the bytes copied and the segments live from zero.
+pytestmark = [pytest.mark.timeout(180), pytest.mark.transport, pytest.mark.fresh_pool]
 
 # A process forked after torch ran a parallel region on its OpenMP threads (torch.zeros of
 # a large tensor does) deadlocks in its own first one: GNU OpenMP is not fork-safe. That is
