@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     # When and what ran, taken first: the work tree may change while the run goes on.
-    started_at = datetime.datetime.now(datetime.timezone.utc)
+    started_at = datetime.datetime.now(datetime.UTC)
     run_versions = versions()
     load_before = uptime()
     shm_before = set(os.listdir(measure.SHM))

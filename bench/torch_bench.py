@@ -284,7 +284,7 @@ def main() -> None:
     import torch_tasks
 
     started = time.perf_counter()
-    started_at = datetime.datetime.now(datetime.timezone.utc)
+    started_at = datetime.datetime.now(datetime.UTC)
     run_versions = versions()  # first: the work tree may change while the run goes on
     workloads = args.workloads.split(",")
     systems = [s for s in SYSTEMS if s != "sharexec/torch" or args.torch_road]
