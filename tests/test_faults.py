@@ -643,7 +643,9 @@ def test_a_killed_sweeper_is_restarted_and_the_crash_sweep_holds(start_method, t
     sweeper = int(proc.stdout.readline().split()[1])
     kin = family(proc)
     assert sweeper in kin
-    assert len(segments_now() - _before[proc.pid]) >= 4, "the scenario should hold segments"
+    # At least: `keep`, the one copy the four equal arguments share, and the array of the
+    # task that said it started; the other worker's task may not have made its own yet.
+    assert len(segments_now() - _before[proc.pid]) >= 3, "the scenario should hold segments"
     kill_and_check_swept(proc, kin)
 
 
