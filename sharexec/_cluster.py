@@ -1,4 +1,4 @@
-"""ClusterExecutor: the same program on a Dask cluster (DESIGN.md D9), and ``use_cluster``.
+"""ClusterExecutor: the same program on a Dask cluster, and ``use_cluster``.
 
 This module owns the cluster executor, the choice that makes :func:`sharexec.get_executor`
 return one, and what runs of it in a Dask worker. Dask distributed schedules and moves the

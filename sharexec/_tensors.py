@@ -6,7 +6,7 @@ object cannot be a tensor otherwise), by :func:`sharexec.share` and
 that holds one (its rebuild functions live here). ``import sharexec`` never imports it,
 and a worker imports torch only for a task that carries a tensor.
 
-Tensors follow torch's rules (DESIGN.md D10), not the copy rule of private NumPy arrays:
+Tensors follow torch's rules, not the copy rule of private NumPy arrays:
 a CPU tensor sent to a task is *shared*, the sender's and the receiver's writes seen by
 both, as through ``torch.multiprocessing``. What this module owns:
 

@@ -1,12 +1,12 @@
-"""Queued calls of functions measured short travel several in one message (issue 15).
+"""Queued calls of functions measured short travel several in one message.
 
-What batching must not change, each under every start method: every future gets its own
-result or exception; map's order; a queued call can be cancelled and then never runs; a
-long or unmeasured call goes alone, so nothing waits behind it; ``as_completed`` sees
-results as they come; a worker dying inside a batch fails that batch's calls with
-``BrokenProcessPool``; ``shutdown(cancel_futures=True)``; arrays in batched calls
-(segments per call, none left); the initializer; ``max_tasks_per_child`` and
-``batching=False`` turn it off.
+What batching must not change, each under the default start method and spawn: every
+future gets its own result or exception; map's order; a queued call can be cancelled and
+then never runs; a long or unmeasured call goes alone, so nothing waits behind it;
+``as_completed`` sees results as they come; a worker dying inside a batch fails that
+batch's calls with ``BrokenProcessPool``; ``shutdown(cancel_futures=True)``; arrays in
+batched calls (segments per call, none left); the initializer; ``max_tasks_per_child``
+and ``batching=False`` turn it off.
 
 Batches are made to happen without timing: both workers are held by calls that block
 on an event while the calls under test queue up behind them; once released, the

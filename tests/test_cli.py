@@ -1,5 +1,5 @@
 """The command line (``python -m sharexec``): it explains, and a user's mistake is one clear
-line, never a traceback (issue 16)."""
+line, never a traceback."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Third-party code that takes an executor works unchanged (issue 3, DESIGN.md D1/D2).
+"""Third-party code that takes an executor works unchanged.
 
-Real clients, each checked by value under every start method: scipy's
+Real clients, each checked by value under the default start method and spawn: scipy's
 ``differential_evolution(workers=ex.map)``, ``dask.compute(scheduler=ex)`` on a few hundred
 MB, and the ``wait(FIRST_EXCEPTION)`` / ``as_completed`` pattern with large arrays. scipy
 and dask come from the optional ``clients`` extra (``pip install -e '.[test,clients]'``);

@@ -1,4 +1,4 @@
-"""The same program on a Dask cluster: sharexec.ClusterExecutor (issue 13, DESIGN.md D9).
+"""The same program on a Dask cluster: sharexec.ClusterExecutor.
 
 One ``LocalCluster(processes=True, n_workers=2, threads_per_worker=1)`` serves the module;
 each test makes its own executor over it, and on teardown checks that the executor left

@@ -1,4 +1,4 @@
-"""Faults (DESIGN.md D4): whatever dies, and however, no segment and no process is left.
+"""Faults: whatever dies, and however, no segment and no process is left.
 
 Each scenario runs as its own program in a subprocess. Once it is over (and its sweeper
 has exited), the segment folder holds nothing the scenario created, and none of its

@@ -1,4 +1,4 @@
-"""Workers keep the mappings of argument copies between tasks (issue 5).
+"""Workers keep the mappings of argument copies between tasks.
 
 A worker maps a copy segment copy-on-write for a task and keeps that mapping afterwards;
 a later task that names the same segment reuses it, unless this worker wrote into it
@@ -28,7 +28,7 @@ LARGE = 300_000  # float64 elements: 2.4 MB, above the 256 KiB default threshold
 
 
 # ---------------------------------------------------------------------------------------
-# Through an executor, under every start method
+# Through an executor, under the default start method and spawn
 # ---------------------------------------------------------------------------------------
 
 

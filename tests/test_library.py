@@ -1,4 +1,4 @@
-"""For library authors (DESIGN.md D8): get_executor, statistics, logging, doctor."""
+"""For library authors: get_executor, statistics, logging, doctor."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Segment lifetimes on the normal paths (DESIGN.md D4): nothing outlives its last user."""
+"""Segment lifetimes on the normal paths: nothing outlives its last user."""
 
 from __future__ import annotations
 

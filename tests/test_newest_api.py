@@ -1,4 +1,4 @@
-"""The newest stdlib API, on every Python sharexec supports (issue 14).
+"""The newest stdlib API, on every Python sharexec supports.
 
 Python 3.14 added ``Executor.map(..., buffersize=)`` and
 ``ProcessPoolExecutor.terminate_workers()`` / ``kill_workers()``. Code written for 3.14

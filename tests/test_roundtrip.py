@@ -1,4 +1,4 @@
-"""Odd inputs, exact round-trips (issue 4), under every start method.
+"""Odd inputs, exact round-trips, under the default start method and spawn.
 
 Every kind of array goes to a worker and comes back bit for bit: as argument, as result,
 nested in containers. Plain arrays take the shared path when large (D3 rules 2 and 5,

@@ -1,4 +1,4 @@
-"""Security (DESIGN.md D4, issue 4): unguessable names, private modes, a private sweeper.
+"""Security: unguessable names, private modes, a private sweeper.
 
 * Segment names are ``sharexec-<pid>-<random>``, the random part 12 characters of the
   URL-safe base64 alphabet (72 bits) from the operating system's CSPRNG: 1,000 names are

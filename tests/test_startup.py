@@ -1,4 +1,4 @@
-"""Start-up (issue 15): workers started on demand, and sharexec's default start method,
+"""Start-up: workers started on demand, and sharexec's default start method,
 forks of a warm server.
 
 Under every start method: a call starts a worker only if none is idle, never more than

@@ -1,4 +1,5 @@
-"""``statistics()``: each field means what its name says (issue 16), under every start method.
+"""``statistics()``: each field means what its name says, under the default start method
+and spawn.
 
 One worker, and each call waits for its result, so that every count is exact. The
 segment counts are the process's: each test reads them against a baseline taken first.

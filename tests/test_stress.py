@@ -1,4 +1,4 @@
-"""Stress (issue 4): many threads, one executor, thousands of mixed tasks, nothing lost.
+"""Stress: many threads, one executor, thousands of mixed tasks, nothing lost.
 
 8 threads submit 1,000 tasks each to one 2-worker executor: mostly tiny ones (a few bytes,
 pickled), some of 1-4 MB and a few of 20 MB (copied once into shared memory, their results
@@ -221,7 +221,7 @@ def submitter(
 @pytest.mark.parametrize("tasks", [TASKS])
 def test_threads_submitting_mixed_tasks(executor, tasks):
     # The workers start before the threads do: under fork, a worker forked while another
-    # thread holds a lock would inherit it held (the user's risk, DESIGN.md D6).
+    # thread holds a lock would inherit it held (the user's risk, as with the standard library).
     assert executor.submit(work, "tiny", "warm-up", {"data": b"x"}, 1).result()[0] == "warm-up"
     failures: list[str] = []
     totals: Counter[str] = Counter()

@@ -1,4 +1,4 @@
-"""PyTorch tensors through sharexec (DESIGN.md D10): torch's semantics, sharexec's transport.
+"""PyTorch tensors through sharexec: torch's semantics, sharexec's transport.
 
 Every behaviour under every start method. Skipped as a whole where torch is not
 installed: torch is an optional dependency (the ``torch`` extra; CI installs it).
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.transport, pytest.mark.fresh
 # A process forked after torch ran a parallel region on its OpenMP threads (torch.zeros of
 # a large tensor does) deadlocks in its own first one: GNU OpenMP is not fork-safe. That is
 # torch's caveat with the fork start method, the standard library's executor included (the
-# user's risk, DESIGN.md D6). This test process runs torch on one thread so that every
+# user's risk). This test process runs torch on one thread so that every
 # start method can be tested; test_moving_a_tensor_leaves_a_later_fork_safe checks, with
 # torch's default threads, that sharexec itself adds no OpenMP region to the parent.
 torch.set_num_threads(1)

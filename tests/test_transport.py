@@ -1,4 +1,5 @@
-"""The sharing rules of DESIGN.md D3, each checked by value, under every start method."""
+"""The sharing rules (docs/how-it-works.md), each checked by value, under the default start
+method and spawn."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Warm allocations (issue 15): the segment of a collected shared array serves the next
+"""Warm allocations: the segment of a collected shared array serves the next
 allocation of a size it fits, zeroed or filled as the allocator promises, and only if no
 other process may still see it.
 

@@ -1,4 +1,4 @@
-"""What a worker imports: nothing heavy until a call or a result holds an array (issue 5).
+"""What a worker imports: nothing heavy until a call or a result holds an array.
 
 A worker imports NumPy (some 60 ms, most of a pool's start-up) only for a task that
 carries or returns an array: a plain result is pickled as it is, and while NumPy is not

@@ -1,6 +1,6 @@
 """Run CPython 3.11's and 3.13's ProcessPoolExecutor tests against SharedProcessPoolExecutor.
 
-The yardstick of DESIGN.md D2: CPython's ``test_concurrent_futures``, run with
+The drop-in yardstick: CPython's ``test_concurrent_futures``, run with
 :class:`sharexec.SharedProcessPoolExecutor` in place of
 :class:`concurrent.futures.ProcessPoolExecutor`, passes every test of public behaviour.
 This is a plain script (``nox -s compat`` runs it, under Python 3.11 and under 3.13), not
@@ -474,7 +474,7 @@ DEVIATIONS = {
     # Its argument raises UnpicklingError when the worker rebuilds it. The stdlib breaks the
     # pool (BrokenProcessPool for this and every other future); sharexec fails only this
     # future, with the worker's error, and the pool goes on, as it already did for a result
-    # that fails to rebuild (issue 17; docs/migration/from-processpoolexecutor.md).
+    # that fails to rebuild (docs/migration/from-processpoolexecutor.md).
     "ExecutorDeadlockTest.test_error_at_task_unpickle": "_pickle.UnpicklingError",
 }
 
