@@ -407,7 +407,12 @@ def executor(
         yield ex
     finally:
         if reuse and not ex._pool_shut_down:
-            _reset(ex)
+            try:
+                _reset(ex)
+            except BaseException:  # calls left running: the next test gets a new pool
+                del reused_pools[start_method]
+                ex.shutdown(wait=False, cancel_futures=True)
+                raise
         else:
             if reuse:  # the test shut it down: the next one makes a new one
                 del reused_pools[start_method]
