@@ -284,13 +284,7 @@ class _SharingPickler(Pickler):
 def dumps_sharing_globals(obj: Any) -> bytes:
     """Pickle ``obj`` so that its functions sent by value are rebuilt in their module's
     namespace (buffers in band): a forked worker's initializer (``_executor``)."""
-    out = io.BytesIO()
-    pickler = _SharingPickler(out, protocol=pickle.HIGHEST_PROTOCOL)
-    try:
-        pickler.dump(obj)
-    finally:
-        pickler.clear_memo()  # it holds obj, in a cycle only the GC would break
-    return out.getvalue()
+    return _dumps_in_band(obj, _SharingPickler)
 
 
 # ---------------------------------------------------------------------------------------
@@ -491,10 +485,11 @@ def _type_name(kind: type) -> str:
     return name if module in (None, "builtins", "__main__") else f"{module}.{name}"
 
 
-def _dumps_in_band(obj: Any) -> bytes:
-    """``obj`` pickled by :class:`Pickler`, every buffer in band."""
+def _dumps_in_band(obj: Any, pickler_class: type[Pickler] | None = None) -> bytes:
+    """``obj`` pickled by ``pickler_class`` (:class:`Pickler` by default), every buffer
+    in band."""
     out = io.BytesIO()
-    pickler = Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler = (pickler_class or Pickler)(out, protocol=pickle.HIGHEST_PROTOCOL)
     try:
         pickler.dump(obj)
     finally:
