@@ -49,7 +49,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Executor, Future
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from dataclasses import dataclass
 from functools import partial
@@ -76,6 +76,7 @@ from ._worker import run, run_batch, run_chunk, run_initializer
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=Executor)
 
 
 def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
@@ -369,13 +370,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
             The results, in the order of the items. A call's exception is raised when its
             result is reached; closing the iterator cancels the calls not started.
         """
-        if buffersize is not None:
-            if not isinstance(buffersize, int):
-                raise TypeError("buffersize must be an integer or None")
-            if buffersize < 1:
-                raise ValueError("buffersize must be None or > 0")
-        if chunksize < 1:
-            raise ValueError("chunksize must be >= 1.")
+        _check_map(chunksize, buffersize)
         calls = zip(*iterables, strict=False)  # to the shortest, as map()
         if chunksize == 1:
             # A call per item, submitted as it is, so that calls with plain arguments
@@ -462,29 +457,40 @@ class SharedProcessPoolExecutor(LokyExecutor):
                 continue
 
 
+def _check_map(chunksize: int, buffersize: int | None) -> None:
+    """Refuse ``map``'s arguments as the standard library's of Python 3.14 does, before
+    any item is taken."""
+    if buffersize is not None:
+        if not isinstance(buffersize, int):
+            raise TypeError("buffersize must be an integer or None")
+        if buffersize < 1:
+            raise ValueError("buffersize must be None or > 0")
+    if chunksize < 1:
+        raise ValueError("chunksize must be >= 1.")
+
+
 def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
     """``items`` in lists of ``n`` (the last may be shorter), as they are taken."""
     while chunk := list(islice(items, n)):
         yield chunk
 
 
-def _submit_future(
-    fn: Callable[..., Any], executor: SharedProcessPoolExecutor, args: tuple[Any, ...]
-) -> Future[Any]:
+def _submit_future(fn: Callable[..., Any], executor: E, args: tuple[Any, ...]) -> Future[Any]:
     return executor.submit(fn, *args)
 
 
 def _results(
-    executor: SharedProcessPoolExecutor,
-    submit: Callable[[SharedProcessPoolExecutor, tuple[Any, ...]], Any],
+    executor: E,
+    submit: Callable[[E, tuple[Any, ...]], Any],
     calls: Iterator[tuple[Any, ...]],
     timeout: float | None,
     buffersize: int | None,
 ) -> Iterator[Any]:
     """Submit the calls (all now, or ``buffersize`` ahead) and iterate their results.
 
-    The standard library's ``Executor.map`` of Python 3.14, which older Pythons lack.
-    ``submit(executor, args)`` queues one call and returns its future (or ``_Slot``).
+    The standard library's ``Executor.map`` of Python 3.14, which older Pythons lack
+    (for this module's executor and the cluster's). ``submit(executor, args)`` queues
+    one call and returns its future (or ``_Slot``).
     """
     end = None if timeout is None else timeout + time.monotonic()
     futures = deque(submit(executor, args) for args in islice(calls, buffersize))
