@@ -622,11 +622,16 @@ class ClusterExecutor(Executor):
 
     * every call runs (never deduplicated as "pure"), and keyword arguments reach the
       function whatever their names;
-    * ``map`` honours ``timeout`` and ``chunksize``; ``shutdown(wait, cancel_futures)``,
-      ``cancel()`` and ``running()`` as the standard library's (a call is running once it
-      is dispatched, given to Dask: at most two per worker thread are; the others wait
-      here, as in the standard library's queue, and can be cancelled);
-    * a task's exception is raised with its remote traceback as ``__cause__``.
+    * ``map`` honours ``timeout``, ``chunksize`` and ``buffersize``;
+      ``shutdown(wait, cancel_futures)``, ``cancel()`` and ``running()`` as the standard
+      library's (a call is running once it is dispatched, given to Dask: at most two per
+      worker thread are; the others wait here, as in the standard library's queue, and
+      can be cancelled);
+    * a task's exception is raised with its remote traceback as ``__cause__``;
+    * a client closed (or the cluster restarted) under calls in flight breaks the
+      executor: the calls not done fail with :class:`~concurrent.futures.BrokenExecutor`;
+    * the methods of :class:`SharedProcessPoolExecutor` (``statistics``,
+      ``terminate_workers``, ``kill_workers``), with the same signatures.
 
     A call's arguments are read when it is dispatched (as the standard library pickles
     them when a call leaves its queue). Large arrays and out-of-band buffers (of at least
