@@ -191,6 +191,12 @@ def test_a_restart_of_the_cluster_breaks_the_executor(client):
     go = gate(client)
     futures = [ex.submit(wait_for, go.name, i) for i in range(2)]
     assert_running_soon(futures)
+    # Both tasks on the scheduler first: one that reached it after the restart would run
+    # there for nobody (the client forgets its keys at a restart, Dask's own race).
+    deadline = time.monotonic() + 60
+    while client.run_on_scheduler(_cluster._scheduler_holds, ex._token) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)  # nothing tells when the scheduler has a task
     client.restart()
     for future in futures:
         error = future.exception(timeout=60)
