@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._api import Statistics
     from ._arrays import (
         SharedArray,
         empty,
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
         zeros_like,
     )
     from ._cluster import ClusterExecutor, use_cluster
-    from ._executor import SharedProcessPoolExecutor, Statistics, get_executor
+    from ._executor import SharedProcessPoolExecutor, get_executor
     from .errors import ConfigError, ResultError, SegmentError, SharexecError, SharexecWarning
 
 __all__ = [
@@ -60,7 +61,8 @@ _HOMES = {
         ".errors",
     ),
     **dict.fromkeys(["ClusterExecutor", "use_cluster"], "._cluster"),
-    **dict.fromkeys(["SharedProcessPoolExecutor", "Statistics", "get_executor"], "._executor"),
+    **dict.fromkeys(["SharedProcessPoolExecutor", "get_executor"], "._executor"),
+    "Statistics": "._api",
 }
 
 
