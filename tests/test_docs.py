@@ -286,3 +286,14 @@ def test_the_version_is_written_once():
     assert "version" in config["project"]["dynamic"]
     assert config["tool"]["hatch"]["version"]["path"] == "sharexec/__init__.py"
     assert importlib.metadata.version("sharexec") == sharexec.__version__
+
+
+def test_the_changelog_is_in_the_usual_form():
+    """CHANGES.md: "Unreleased" first, then one bullet per change a user can see, citing
+    no tracker issue (the repository stands alone)."""
+    text = (ROOT / "CHANGES.md").read_text(encoding="utf-8")
+    versions = re.findall(r"^## (.+)$", text, re.M)
+    assert versions and versions[0] == "Unreleased", versions
+    assert not re.search(r"\bissues? \d+", text, re.I), "CHANGES.md cites a tracker issue"
+    for line in text.splitlines():
+        assert len(line) <= 99, f"CHANGES.md: a line of {len(line)} characters"
