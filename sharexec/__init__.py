@@ -1,7 +1,8 @@
 """sharexec: a drop-in ProcessPoolExecutor that moves large NumPy arrays through shared memory.
 
 The names below are imported on first use (PEP 562): ``import sharexec`` costs almost
-nothing, and the sweeper process, which needs only ``_tracking``, never loads numpy.
+nothing, and the sweeper process, which loads only ``_sweeper`` and ``_segments``, never
+loads numpy.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ them, and every use of loky's internals, is in :mod:`sharexec._loky`)::
     │  wraps the call in a _transport.Task; nothing is copied yet
     ▼
   pending work items ──▶ call queue ──(feeder thread pickles)──▶ pipe ──▶ worker
+     (the manager thread moves them, queued calls of short functions several in one
+      call item: _batching, _worker.run_batch)
                           │
                           └▶ Task.__reduce__: plain arguments ─▶ the standard pickler;
                              else one cloudpickle pass (_reduction, a ForwardSink)
