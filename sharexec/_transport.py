@@ -28,9 +28,8 @@ out of the pool, a pooled segment taken for new bytes); it is taken before any p
 own lock, and no part calls back into the facade. The locks that a weakref callback
 takes (a collected result giving its segment back, a collected copy leaving the
 cache) are re-entrant, since the callback may fire while one is held: the pool's,
-``CopyCache``'s. ``ResultLoans``' is too; ``Counts``' is taken by no callback.
-``Functions``' is a plain lock, yet a collected function's callback takes it
-(docs/design.md, "Known limits").
+``CopyCache``'s, ``Functions``' (a collected function leaving the table).
+``ResultLoans``' is too; ``Counts``' is taken by no callback.
 """
 
 from __future__ import annotations
@@ -340,7 +339,9 @@ class Functions:
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
-        self._lock = threading.Lock()
+        # Re-entrant: the collector may free a function (and run its weak reference's
+        # callback, which takes this lock) in a thread holding it, at any allocation.
+        self._lock = threading.RLock()
         # Whether each function pickles by name, by the function's id, with a weak
         # reference to it, e.g. {140213: (<weakref to total>, True)}: looked up per call,
         # with no weak reference made for the look-up (as a WeakKeyDictionary would).

@@ -736,3 +736,35 @@ def test_a_cancelled_task_lets_go_of_its_arguments_and_counts_as_done(start_meth
         assert [f.result() for f in queued] == [float(SMALL)] * 5
         stats = ex.statistics()
         assert stats.tasks_submitted == stats.tasks_done == 7
+
+
+def test_a_function_collected_while_the_function_table_is_locked_does_not_deadlock() -> None:
+    """The collector may run in a thread that holds the table's lock (an allocation under
+    it), and then run the weak reference's callback of a function it frees, which takes
+    the lock too."""
+    import gc
+    import threading
+
+    from sharexec._transport import Functions
+
+    functions = Functions(None)  # type: ignore[arg-type]
+
+    def make() -> Any:
+        def again(n: int) -> int:  # refers to itself through its cell: only gc frees it
+            return again(n - 1) if n else 0
+
+        return again
+
+    fn = make()
+    assert not functions.by_name(fn)
+    del fn
+    done = threading.Event()
+
+    def collect_under_the_lock() -> None:
+        with functions._lock:
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=collect_under_the_lock, daemon=True).start()
+    assert done.wait(30), "the callback waited for a lock its own thread held"
+    assert functions._by_name == {}
