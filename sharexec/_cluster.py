@@ -81,12 +81,14 @@ from . import _segments, _tracking, _worker
 from ._api import Statistics, batched, check_map, flatten, results, submit_future
 from ._arrays import byte_bounds
 from ._config import Options
+from ._loky import remote_traceback
+from ._wire import Raised
 from .errors import SegmentError
 
 if TYPE_CHECKING:
     import distributed
 
-__all__ = ["ClusterExecutor", "RemoteTraceback", "chosen", "use_cluster"]
+__all__ = ["ClusterExecutor", "chosen", "use_cluster"]
 
 T = TypeVar("T")
 
@@ -446,20 +448,10 @@ def _changes(before: np.ndarray, after: np.ndarray) -> Any:
     return np.packbits(mask), after.reshape(-1)[mask]
 
 
-class RemoteTraceback(Exception):
-    """A task's traceback in the worker, as the ``__cause__`` of its exception."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
-
-
 def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
-    """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", exception,
-    traceback, changes)``, ``changes`` being what it changed of each shared slot."""
+    """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", raised,
+    changes)``, ``raised`` a ``_wire.Raised`` (the client gets a ``_wire.Failure``) and
+    ``changes`` what the call changed of each shared slot."""
     _worker.kept.drop_unlinked()  # the mappings kept of segments freed since
     buffers = [b.private() for b in blobs]
     kept = [b.name for b in blobs if b.name is not None]  # mapped through KeptMappings
@@ -474,15 +466,7 @@ def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
     try:
         outcome: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # as the standard library's worker (SystemExit too)
-        tb = "".join(traceback.format_exception(exc))
-        try:
-            cloudpickle.dumps(exc)
-        except Exception as why:
-            exc = RuntimeError(
-                f"the task raised {type(exc).__qualname__}({exc}), which cannot be sent "
-                f"back: {why}"
-            )
-        outcome = ("error", exc, tb)
+        outcome = ("error", Raised(exc))  # rebuilt apart in the client (_wire.load_raised)
     del fn, args, kwargs
     changes = [(index, _changes(before, after)) for index, before, after in slots]
     del slots
@@ -1144,9 +1128,7 @@ class ClusterExecutor(Executor):
             with contextlib.suppress(InvalidStateError):  # (ended by _break meanwhile)
                 future.set_result(outcome[1])
         else:
-            raised, tb = outcome[1], outcome[2]
-            raised.__cause__ = RemoteTraceback(tb)
-            _fail(future, raised)
+            _fail(future, outcome[1].error)  # its cause: the worker's traceback
 
     def _failed(self, call: _Call, remote: Any, failure: BaseException | None) -> None:
         """End a call whose task did not finish on the cluster (``failure``: what
@@ -1168,10 +1150,10 @@ class ClusterExecutor(Executor):
                 tb = "".join(traceback.format_tb(remote.traceback(timeout=_ASK_TIMEOUT)))
             except BaseException as exc:  # (the client closing now)
                 error, tb = exc, ""
-            if not isinstance(error, BaseException):  # (never None: see RemoteTraceback)
+            if not isinstance(error, BaseException):  # (never None, yet: not trusted)
                 error = RuntimeError(f"the task {remote.key} failed on the cluster")
             if tb:
-                error.__cause__ = RemoteTraceback(tb)
+                error.__cause__ = remote_traceback(tb)
             _fail(call.future, error)
         else:
             assert failure is not None

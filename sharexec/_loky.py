@@ -57,9 +57,9 @@ small surface below, with plain names:
   (``concurrent.futures.Future._condition``, which ``wait`` and ``as_completed`` take)
   is made when first asked for; until then the futures of one executor share one.
 
-Also offered: :func:`remote_traceback` (loky's ``_RemoteTraceback``, the ``__cause__``
-of a task's exception), and, being public loky API, :func:`cpu_count` and
-:func:`get_context`.
+Also offered: :func:`remote_traceback` (the standard library's ``_RemoteTraceback``, the
+``__cause__`` of a task's exception, of the type its executor gives), and, being public
+loky API, :func:`cpu_count` and :func:`get_context`.
 
 **Versions.** sharexec supports loky :data:`SUPPORTED_LOKY` (the pin in
 ``pyproject.toml``). At import, this module checks that everything it uses exists, and
@@ -102,6 +102,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import _base as futures_base
+from concurrent.futures import process as futures_process
 from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver as mp_forkserver
@@ -157,7 +158,7 @@ def _problems() -> list[str]:
         # LokyExecutor: submit on loky's state, the pool's state, the queue swap, and
         # the quiet recycling.
         *_has(pe, "_WorkItem", "_ThreadWakeup.wakeup", "_global_shutdown"),
-        *_has(pe, "_ThreadWakeup.clear", "_RemoteTraceback", "_ExecutorManagerThread"),
+        *_has(pe, "_ThreadWakeup.clear", "_ExecutorManagerThread"),
         *_has(
             pe,
             "ProcessPoolExecutor._setup_queues",
@@ -199,7 +200,8 @@ def _problems() -> list[str]:
         *_uses(pe, "_ExecutorManagerThread.wait_result_broken_or_wakeup", "clear"),
         *_uses(pe, "_ExecutorManagerThread._run_loop", "wait_result_broken_or_wakeup"),
         *_assigns(pe, "_ExecutorManagerThread", "thread_wakeup"),
-        *_takes(pe, "_RemoteTraceback.__init__", "self", "tb"),
+        # remote_traceback: the standard library's, as its executor gives it.
+        *_takes(futures_process, "_RemoteTraceback.__init__", "self", "tb"),
         *_takes(
             pe,
             "_process_worker",
@@ -740,9 +742,11 @@ class BatchOutcome(list):  # type: ignore[type-arg]
 
 
 def remote_traceback(text: str) -> BaseException:
-    """The ``__cause__`` loky gives a task's exception: its traceback in the worker,
-    ``text``, shown when the exception is printed."""
-    cause: BaseException = process_executor._RemoteTraceback(text)
+    """The ``__cause__`` of a task's exception: its traceback in the worker, ``text``,
+    shown when the exception is printed; of the standard library's type, as its
+    executor gives it (CPython's ``test_traceback`` checks the type)."""
+    # (typeshed types its argument as a traceback object; CPython stores and prints text)
+    cause: BaseException = futures_process._RemoteTraceback(text)  # type: ignore[arg-type]
     return cause
 
 

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, as_completed
+from concurrent.futures import process as futures_process
 from pathlib import Path
 from typing import Any
 
@@ -207,14 +208,27 @@ def raise_unpicklable() -> None:
     raise Unpicklable("here")
 
 
+class NeedsTwo(Exception):
+    def __init__(self, a, b):  # pickles, but rebuilding calls NeedsTwo(*args): one short
+        super().__init__(a)
+
+
+def raise_needs_two() -> None:
+    raise NeedsTwo(1, 2)
+
+
 def test_exceptions_keep_their_type_with_the_remote_traceback(ex):
     with pytest.raises(ValueError, match="boom") as info:
         ex.submit(fail, "boom").result()
     cause = info.value.__cause__
-    assert isinstance(cause, _cluster.RemoteTraceback)
+    assert type(cause) is futures_process._RemoteTraceback  # the standard library's
     assert "in fail" in str(cause) and "ValueError: boom" in str(cause)
     with pytest.raises(RuntimeError, match="Unpicklable"):
         ex.submit(raise_unpicklable).result()
+    # One that pickles but cannot be rebuilt fails its call alone, as on one machine.
+    with pytest.raises(sharexec.ResultError, match="NeedsTwo"):
+        ex.submit(raise_needs_two).result()
+    assert ex.submit(abs, -4).result() == 4
 
 
 def test_wait_and_as_completed(ex):

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import BrokenExecutor, CancelledError
+from concurrent.futures import process as futures_process
 from typing import Any
 
 import numpy as np
@@ -155,7 +156,7 @@ def test_a_base_exception_fails_its_own_call(ex, client, kind, error):
     pids = set(client.run(os.getpid).values())
     with pytest.raises(error) as info:
         ex.submit(raise_base, kind).result(timeout=60)
-    assert isinstance(info.value.__cause__, _cluster.RemoteTraceback)
+    assert type(info.value.__cause__) is futures_process._RemoteTraceback
     assert "in raise_base" in str(info.value.__cause__)
     assert ex.submit(abs, -4).result(timeout=60) == 4
     assert set(client.run(os.getpid).values()) == pids  # no worker died

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import os
 import pickle
+from concurrent.futures import process as futures_process
 from typing import Any
 
 import numpy as np
@@ -539,6 +540,8 @@ def test_task_exception_keeps_type_and_remote_traceback(executor):
     with pytest.raises(ValueError, match="boom") as info:
         f.result()
     assert "raise_value_error" in str(info.value.__cause__)
+    # Of the standard library's type, as its executor gives it.
+    assert type(info.value.__cause__) is futures_process._RemoteTraceback
 
 
 def test_task_with_large_argument_that_raises_frees_its_segments(executor):
