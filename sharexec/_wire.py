@@ -91,11 +91,32 @@ def loads(
     return pickle.loads(payload, buffers=views)
 
 
+def _reduce_code(code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, keeping the file it came from.
+
+    cloudpickle 3 names every code object it sends by value ``"<dynamic-code>"`` (so that
+    its pickles are the same wherever the function was defined): the traceback of a task
+    defined in your script would then show ``File "<dynamic-code>"`` and no source line,
+    where the standard library's shows the script's file and line.
+    """
+    rebuild, args = _reduce_code_by_value(code)
+    return _code_from, (rebuild, args, code.co_filename)
+
+
+def _code_from(rebuild: Callable[..., types.CodeType], args: Any, filename: str) -> types.CodeType:
+    """The code object cloudpickle rebuilds, in ``filename`` again."""
+    return rebuild(*args).replace(co_filename=filename)
+
+
+_reduce_code_by_value = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
 class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     """cloudpickle's pickler with the dispatch table of loky's own, and multiprocessing's,
     and the standard pickler's rule for what travels by name.
 
-    By exact type, first match wins: loky's reducers (bound methods by reference, sockets
+    By exact type, first match wins: code objects keep their file (:func:`_reduce_code`);
+    loky's reducers (bound methods by reference, sockets
     and multiprocessing connections through the process being spawned, partials); then
     whatever was registered with ``multiprocessing.reduction.ForkingPickler.register``,
     as the standard library's executor pickles with it (torch's tensors and storages:
@@ -119,7 +140,10 @@ class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     """
 
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        DISPATCH_TABLE, FORKING_REDUCERS, cloudpickle.Pickler.dispatch_table
+        {types.CodeType: _reduce_code},
+        DISPATCH_TABLE,
+        FORKING_REDUCERS,
+        cloudpickle.Pickler.dispatch_table,
     )
 
     def reducer_override(self, obj: Any) -> Any:

@@ -107,6 +107,20 @@ def reader(key):
     return lambda _: CACHE[key]  # a closure: pickled with each call, never cached
 
 
+def fail(_):
+    raise RuntimeError("boom")  # the line its traceback shows
+
+
+def traceback_of(ex):
+    # What the cause of a task's exception shows: its type, the script's file and line.
+    try:
+        ex.submit(fail, 0).result()
+    except RuntimeError as exc:
+        cause = exc.__cause__
+        kind = type(cause).__module__ + "." + type(cause).__qualname__
+        return [kind, f'File "{__file__}"' in cause.tb, "# the line its traceback" in cause.tb]
+
+
 def main(impl, method):
     if impl == "stdlib":
         context = multiprocessing.get_context("spawn" if method in ("default", "loky") else method)
@@ -131,6 +145,8 @@ def main(impl, method):
     with executor(1, initializer=init, initargs=(42,)) as ex:
         # What the initializer set, seen by a task.
         record("initializer", lambda: ex.submit(get, "x").result())
+        # A task's traceback names the script's file and shows its line.
+        record("traceback", lambda: traceback_of(ex))
         record("class of the initializer", lambda: ex.submit(boxed, 0).result())
         record("class of an argument", lambda: ex.submit(same_class, Box(1)).result())
         # Two tasks talk through a global: a mutated dict, a rebound name.
@@ -211,6 +227,7 @@ def test_functions_of_the_script_share_one_namespace_per_worker(
     theirs = run_script(script, "stdlib", method)
 
     assert ours["initializer"] == 42
+    assert ours["traceback"] == ["concurrent.futures.process._RemoteTraceback", True, True]
     assert ours["class of the initializer"] == 42
     assert ours["class of an argument"] is True
     assert ours["then get"] == 7
