@@ -116,7 +116,8 @@ class Statistics:
         segments on disk).
     segments_pooled : int
         Warm segments this executor keeps for its next copies and results: no data of
-        yours lives in them, and they are freed after 10 s unused or at shutdown.
+        yours lives in them, and they are freed after 10 s unused, at shutdown, or as
+        soon as the executor is garbage-collected without one.
     bytes_pooled : int
         Their total size: at most a quarter of the shared-memory folder, and 1 GiB.
     bytes_copied : int
@@ -236,6 +237,12 @@ class SharedProcessPoolExecutor(LokyExecutor):
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self._transport = Transport(self._options)
+        # Its pool of warm segments goes at shutdown, or as soon as this object is
+        # collected if it never was (dropped, as a standard library executor may be,
+        # whose workers then exit and which holds nothing): not when the pool's idle
+        # timer would fire. The calls still in flight keep their own segments; what
+        # comes back to the closed pool is dropped.
+        self._close_transport = weakref.finalize(self, self._transport.close)
         # Every worker runs run_initializer: it watches this process (and exits with it),
         # then runs the user's initializer, whose call is shared like a task's, pickled at
         # each worker start: it lives as long as the executor.
@@ -402,7 +409,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
         if cancel_futures:
             self._cancel_pending()  # and the calls a worker hands back later
         super().shutdown(wait=wait)
-        self._transport.close()
+        self._close_transport()
         if self._init_task is not None:
             if wait:
                 self._init_task.release()
