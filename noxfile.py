@@ -279,7 +279,7 @@ def compat(session: nox.Session) -> None:
     session.log("CPython's own ProcessPoolExecutor tests, public behaviour: passed")
 
 
-# The fault suite of issue 4: what docs/reliability.md reports.
+# The fault suite: what docs/reliability.md reports.
 FAULT_TESTS = [
     "tests/test_faults.py",
     "tests/test_stress.py",

@@ -1,4 +1,4 @@
-"""The cluster executor beside plain and expert Dask, on one LocalCluster (issue 13).
+"""The cluster executor beside plain and expert Dask, on one LocalCluster.
 
 One ``LocalCluster(processes=True, n_workers=2, threads_per_worker=1)`` for the whole run;
 the three systems take turns within each repetition:

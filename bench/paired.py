@@ -5,7 +5,7 @@ a shared machine) moves one system's figures and not another's. Here the two sys
 each comparison run in alternation, one repetition each, and the ratio reported is the
 median of the per-repetition ratios: what both met at the same moment cancels out.
 
-Comparisons (issue 15's targets): start-up of a pool under each system's default start
+Comparisons: start-up of a pool under each system's default start
 method, until every worker is up and until the first result, sharexec against the
 stdlib; W4 (16 tasks fill a 512 MiB output, times ``--scale``), sharexec against
 hand-written shared memory. The one-time start of sharexec's warm server (the first

@@ -1,4 +1,4 @@
-"""The benchmark suite of sharexec against its peers (issue 5): ``python bench/run.py``.
+"""The benchmark suite of sharexec against its peers: ``python bench/run.py``.
 
 Runs each workload on each system with a warm pool of 2 workers, times pool start-up
 separately, repeats each measurement (``--reps``, default 5) and prints a markdown table of
@@ -72,19 +72,19 @@ W4_MIB = 512
 FLOOR_MIB = 256
 WARM_MIB = 4  # warm-up size: above sharexec's min_share_bytes (256 KiB)
 
-# Targets for sharexec, as ratios to the stdlib (issue 5).
+# Targets for sharexec, as ratios to the stdlib.
 DISPATCH_REPS = 21  # W1s with f = a[0], at least
 TARGETS = {
     "W1": 0.03,
     "W2": 0.08,
     "W3": 0.10,
     "W4": 0.90,
-    "W5 submit": 0.10,  # issue 15: batching of tiny calls
+    "W5 submit": 0.10,  # batching of tiny calls
     "W5 map": 0.10,
     "start-up": 2.0,
     "start-up, first": 2.0,
 }
-# Targets as ratios to the hand-written shared memory (issue 15), same run.
+# Targets as ratios to the hand-written shared memory, same run.
 SHM_TARGETS = {"W4": 0.5}
 
 

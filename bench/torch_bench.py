@@ -1,4 +1,4 @@
-"""The tensor benchmark (issue 12): ``python bench/torch_bench.py``.
+"""The tensor benchmark: ``python bench/torch_bench.py``.
 
 PyTorch programs run unchanged on three pools of 2 workers, in the same run and under the
 same start method (``--start-method``, default spawn): ``stdlib``

@@ -1,7 +1,8 @@
 """sharexec: a drop-in ProcessPoolExecutor that moves large NumPy arrays through shared memory.
 
 The names below are imported on first use (PEP 562): ``import sharexec`` costs almost
-nothing, and the sweeper process, which needs only ``_tracking``, never loads numpy.
+nothing, and the sweeper process, which loads only ``_sweeper`` and ``_segments``, never
+loads numpy.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._api import Statistics
     from ._arrays import (
         SharedArray,
         empty,
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
         zeros_like,
     )
     from ._cluster import ClusterExecutor, use_cluster
-    from ._executor import SharedProcessPoolExecutor, Statistics, get_executor
+    from ._executor import SharedProcessPoolExecutor, get_executor
     from .errors import ConfigError, ResultError, SegmentError, SharexecError, SharexecWarning
 
 __all__ = [
@@ -60,7 +62,8 @@ _HOMES = {
         ".errors",
     ),
     **dict.fromkeys(["ClusterExecutor", "use_cluster"], "._cluster"),
-    **dict.fromkeys(["SharedProcessPoolExecutor", "Statistics", "get_executor"], "._executor"),
+    **dict.fromkeys(["SharedProcessPoolExecutor", "get_executor"], "._executor"),
+    "Statistics": "._api",
 }
 
 

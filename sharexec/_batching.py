@@ -106,8 +106,9 @@ class Batching:
         return seconds + PER_CALL_SECONDS
 
     def limit(self, queued: int) -> int:
-        """Calls one batch may take when ``queued`` wait: a quarter of them per worker
-        at most (so each worker gets a share while they drain), and BATCH_CALLS."""
+        """Calls one batch may take when ``queued`` wait: ``queued // (2 * workers)``
+        (so that each worker gets a share while they drain: with 2 workers, a quarter of
+        them), and BATCH_CALLS at most."""
         return min(BATCH_CALLS, queued // (2 * self._workers))
 
     def measured(self, fn: Any, args: tuple[Any, ...], seconds: float) -> None:

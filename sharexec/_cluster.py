@@ -49,27 +49,36 @@ memory, and Dask's ``sizeof`` of a blob is its handle's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import io
 import itertools
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import (
+    BrokenExecutor,
+    Executor,
+    Future,
+    InvalidStateError,
+    ThreadPoolExecutor,
+)
+from concurrent.futures import wait as wait_futures
 from functools import partial
-from itertools import islice
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import cloudpickle
 import numpy as np
 
 from . import _segments, _tracking, _worker
+from ._api import Statistics, batched, check_map, flatten, results, submit_future
 from ._arrays import byte_bounds
 from ._config import Options
 from .errors import SegmentError
@@ -89,6 +98,18 @@ _HASH_PIECE = 32 << 20
 _STEP = 1 << 20
 # How long shutdown(wait=True) waits for the cluster to forget this executor's blobs.
 _FORGET_TIMEOUT = 30.0
+# How long the client may take to give what it holds already (a task's error), on its
+# event loop: bounded, for a loop stopped meanwhile would never answer.
+_ASK_TIMEOUT = 30.0
+# How often the executor looks at its client while calls are in flight (seconds): a
+# client closed under them ends them, even if Dask never calls back.
+_WATCH = 0.5
+# The reasons Dask gives for cancelling every future of a client whose cluster forgot
+# them all (this executor's arrays on it too): the executor cannot go on.
+_CLUSTER_LOST = {
+    "scheduler-restart": "the cluster was restarted (client.restart())",
+    "scheduler-connection-lost": "the client lost its connection to the scheduler",
+}
 
 
 # ---------------------------------------------------------------------------------------
@@ -452,7 +473,7 @@ def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
     del blobs, buffers
     try:
         outcome: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
-    except Exception as exc:
+    except BaseException as exc:  # as the standard library's worker (SystemExit too)
         tb = "".join(traceback.format_exception(exc))
         try:
             cloudpickle.dumps(exc)
@@ -503,7 +524,8 @@ class _Sent:
 
     def release(self) -> None:
         if self.future is not None:
-            self.future.release()
+            with contextlib.suppress(Exception):  # (its client closed: nothing to free)
+                self.future.release()
 
 
 class _Read:
@@ -525,16 +547,50 @@ def _address(data: memoryview) -> int:
     return address
 
 
+class _ClusterFuture(Future[T]):
+    """A call's future: the standard library's, which can also end cancelled while
+    running (see :meth:`cancel_running`)."""
+
+    def cancel_running(self) -> None:
+        """End the running call cancelled: its task was cancelled on the cluster, by
+        someone other than this executor, as Dask's own executor's futures end then.
+
+        The standard library's futures have no way to cancel a running call: this
+        makes the transitions its ``set_running_or_notify_cancel`` makes for a call
+        cancelled before it ran (waiters of ``wait`` and ``as_completed`` told, done
+        callbacks called). A call not running is left as it is.
+        """
+        with self._condition:
+            if self._state != "RUNNING":
+                return
+            self._state = "CANCELLED_AND_NOTIFIED"
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            self._condition.notify_all()
+        invoke: Callable[[], None] = getattr(self, "_invoke_callbacks")  # noqa: B009
+        invoke()
+
+
+def _fail(future: Future[Any], error: BaseException) -> None:
+    """Fail ``future`` with ``error`` unless it is done already (cancelled meanwhile, or
+    ended by the executor breaking)."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_exception(error)
+
+
 class _Call:
     """A call from submit until its future is done.
 
     Until it is dispatched it holds its function and arguments (``call``); then its
-    payload, the blobs it uses and the caller's shared views it was given.
+    payload, the blobs it uses and the caller's shared views it was given; once given to
+    Dask, its Dask future (``remote``).
     """
 
-    __slots__ = ("blobs", "call", "fn_name", "future", "payload", "since", "slots")
+    __slots__ = ("blobs", "call", "fn_name", "future", "payload", "remote", "since", "slots")
 
-    def __init__(self, future: Future[Any], call: tuple[Any, Any, Any], since: int) -> None:
+    def __init__(
+        self, future: _ClusterFuture[Any], call: tuple[Any, Any, Any], since: int
+    ) -> None:
         self.future = future
         self.call: tuple[Any, Any, Any] | None = call  # (fn, args, kwargs)
         self.since = since  # the executor's clock at submit, e.g. 16
@@ -546,6 +602,7 @@ class _Call:
         # cluster, or one that travels in the task (zeros).
         self.blobs: list[bytes | _HostBytes] = []
         self.slots: list[np.ndarray] = []  # the caller's shared views it was given
+        self.remote: Any = None  # e.g. <Future: pending, key: total-sharexec-3f9a…-7>
 
     def arguments(self) -> list[Any]:
         """The arrays given as arguments themselves (not inside a container)."""
@@ -564,11 +621,16 @@ class ClusterExecutor(Executor):
 
     * every call runs (never deduplicated as "pure"), and keyword arguments reach the
       function whatever their names;
-    * ``map`` honours ``timeout`` and ``chunksize``; ``shutdown(wait, cancel_futures)``,
-      ``cancel()`` and ``running()`` as the standard library's (a call is running once it
-      is dispatched, given to Dask: at most two per worker thread are; the others wait
-      here, as in the standard library's queue, and can be cancelled);
-    * a task's exception is raised with its remote traceback as ``__cause__``.
+    * ``map`` honours ``timeout``, ``chunksize`` and ``buffersize``;
+      ``shutdown(wait, cancel_futures)``, ``cancel()`` and ``running()`` as the standard
+      library's (a call is running once it is dispatched, given to Dask: at most two per
+      worker thread are; the others wait here, as in the standard library's queue, and
+      can be cancelled);
+    * a task's exception is raised with its remote traceback as ``__cause__``;
+    * a client closed (or the cluster restarted) under calls in flight breaks the
+      executor: the calls not done fail with :class:`~concurrent.futures.BrokenExecutor`;
+    * the methods of :class:`SharedProcessPoolExecutor` (``statistics``,
+      ``terminate_workers``, ``kill_workers``), with the same signatures.
 
     A call's arguments are read when it is dispatched (as the standard library pickles
     them when a call leaves its queue). Large arrays and out-of-band buffers (of at least
@@ -652,11 +714,17 @@ class ClusterExecutor(Executor):
         self._clock = itertools.count()  # orders submits and reads of bytes
         self._sent: dict[bytes, _Sent] = {}  # blobs on the cluster by digest
         self._bytes_sent = 0  # the bytes of every blob sent, e.g. 200_000_000
+        self._bytes_reused = 0  # of arguments served a blob sent before
+        self._fallbacks = 0  # copies for this host's workers that shared memory refused
+        self._submitted = 0  # calls submitted
+        self._undone: set[Future[Any]] = set()  # of those, the futures not seen done yet
+        # Why the executor is broken (see _break), e.g. "the Dask client … is closed…".
+        self._broken: str | None = None
         # When the bytes of each argument array were last hashed, by id of the array,
         # e.g. {140213: <_Read of 17>}.
         self._read: dict[int, _Read] = {}
         self._queue: deque[_Call] = deque()  # calls not yet dispatched
-        self._running: dict[Future[Any], _Call] = {}  # dispatched and not yet done
+        self._running: dict[_ClusterFuture[Any], _Call] = {}  # dispatched and not yet done
         self._in_dask = 0  # of those, given to Dask and not yet finished there
         self._shut_down = False
         self._close_when_idle = False
@@ -682,39 +750,52 @@ class ClusterExecutor(Executor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Schedule ``fn(*args, **kwargs)`` on the cluster; see
-        :meth:`concurrent.futures.Executor.submit`."""
-        future: Future[T] = Future()
+        :meth:`concurrent.futures.Executor.submit`.
+
+        Raises
+        ------
+        concurrent.futures.BrokenExecutor
+            The executor is broken: its client was closed, lost its scheduler, or the
+            cluster was restarted (the message says which), or ``terminate_workers``
+            or ``kill_workers`` was called.
+        RuntimeError
+            After :meth:`shutdown`.
+        """
+        future: _ClusterFuture[T] = _ClusterFuture()
+        if self._broken is None and (why := self._gone()) is not None:
+            self._break(why)
         with self._lock:
+            if self._broken is not None:
+                raise BrokenExecutor(self._broken)
             if self._shut_down:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._queue.append(_Call(future, (fn, args, kwargs), next(self._clock)))
+            self._submitted += 1
+            self._undone.add(future)
             if self._dispatcher is None:
                 self._dispatcher = threading.Thread(
                     target=self._dispatch, name="sharexec-cluster-dispatch", daemon=True
                 )
                 self._dispatcher.start()
             self._changed.notify_all()
+        future.add_done_callback(self._seen_done)
         return future
+
+    def _seen_done(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._undone.discard(future)
 
     # -- dispatch: in the dispatcher thread -----------------------------------------------
 
     def _dispatch(self) -> None:
-        """Give Dask the calls queued, while fewer than the capacity are running there."""
+        """Give Dask the calls queued, while fewer than the capacity are running there;
+        and, while calls are in flight, watch the client (see _gone)."""
         while True:
-            with self._lock:
-                self._changed.wait_for(
-                    lambda: (
-                        (self._queue and self._in_dask < self._capacity())
-                        or (self._shut_down and not self._queue)
-                    )
-                )
-                if not self._queue:
-                    return
-                call = self._queue.popleft()
-                if not call.future.set_running_or_notify_cancel():  # cancelled meanwhile
-                    continue
-                self._running[call.future] = call
-                self._in_dask += 1
+            call, why = self._next_call()
+            if why is not None:
+                self._break(why)
+            if call is None:
+                return
             try:
                 self._pack(call)
                 with self._lock:
@@ -730,10 +811,67 @@ class ClusterExecutor(Executor):
                     **self._where(blobs),
                 )
             except BaseException as exc:  # unpicklable arguments, a closed client…
-                call.future.set_exception(exc)
+                if (why := self._gone()) is not None:
+                    self._break(why)
+                _fail(call.future, exc)
                 self._finished(call, None)
                 continue
+            call.remote = remote
             remote.add_done_callback(partial(self._done, call))
+            # Closed meanwhile: Dask may never call back (its loop stopped).
+            if (why := self._gone()) is not None:
+                self._break(why)
+
+    def _next_call(self) -> tuple[_Call | None, str | None]:
+        """The next call to give Dask, marked running; or None when the dispatcher is
+        to end, with why the executor is broken if it is now."""
+        with self._lock:
+            while True:
+                if self._broken is not None:
+                    return None, None
+                if (self._queue or self._running) and (why := self._gone()) is not None:
+                    return None, why
+                if self._queue and self._in_dask < self._capacity():
+                    call = self._queue.popleft()
+                    if not call.future.set_running_or_notify_cancel():  # cancelled
+                        continue
+                    self._running[call.future] = call
+                    self._in_dask += 1
+                    return call, None
+                if self._shut_down and not self._queue and not self._running:
+                    return None, None
+                self._changed.wait(_WATCH if self._queue or self._running else None)
+
+    def _gone(self) -> str | None:
+        """Why the executor cannot go on, if its client is not running any more."""
+        status = self._client.status
+        if status == "running":
+            return None
+        return (
+            f"the Dask client of this executor is not running (its status: {status}; "
+            "closed, or its scheduler lost): the calls in flight were lost with it, and "
+            "no call can run"
+        )
+
+    def _break(self, why: str) -> None:
+        """The executor is broken: every call not done fails with
+        :class:`~concurrent.futures.BrokenExecutor` (as the standard library's when its
+        pool breaks), and none may be submitted. Their tasks, if any, are lost with the
+        client or the cluster: no call waits for Dask to call back any more."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = why
+            why = self._broken
+            ended = [call.future for call in self._queue]
+            ended += self._running
+            self._queue.clear()
+            self._running.clear()
+            self._changed.notify_all()
+            idle = self._close_when_idle
+        for future in ended:
+            _fail(future, BrokenExecutor(why))
+        if idle:  # shutdown(wait=False) was called
+            self._start_closing()
 
     def _where(self, blobs: list[Any]) -> dict[str, Any]:
         """Where a task given ``blobs`` may run: a name of the client's copy in the task
@@ -753,7 +891,8 @@ class ClusterExecutor(Executor):
         counted, threads = self._threads
         now = time.monotonic()
         if now - counted > 1.0:
-            threads = max(1, sum(self._client.nthreads().values()))
+            with contextlib.suppress(Exception):  # (the client closing: seen by _gone)
+                threads = max(1, sum(self._client.nthreads().values()))
             self._threads = now, threads
         return _PER_THREAD * threads
 
@@ -787,6 +926,7 @@ class ClusterExecutor(Executor):
                 and any(source is a for a in arguments)
             ):
                 self._sent[read.digest].calls += 1
+                self._bytes_reused += data.nbytes
                 return read.digest
             at = next(self._clock)
         if _zeros(data):
@@ -799,6 +939,8 @@ class ClusterExecutor(Executor):
             if sent is None:
                 sent = self._sent[digest] = self._scatter(digest, data, copy)
                 self._bytes_sent += data.nbytes
+            else:
+                self._bytes_reused += data.nbytes
             sent.calls += 1
             self._now_holds(source, digest)
             with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
@@ -830,7 +972,7 @@ class ClusterExecutor(Executor):
         digests: list[bytes] = []
         try:
             copy = _in_segment(data.nbytes, lambda write: digests.append(_digest(data, write)))
-        except SegmentError:  # shared memory short: sent as bytes
+        except SegmentError:  # shared memory short: sent as bytes (see _scatter)
             return _digest(data), None
         return digests[0], copy
 
@@ -848,8 +990,10 @@ class ClusterExecutor(Executor):
         key = f"{self._token}-blob-{next(self._keys)}"
         local, everyone = self._local_workers(), self._local[2]
         if local and copy is None:
-            with contextlib.suppress(SegmentError):  # shared memory short: as bytes
+            try:
                 copy = _in_segment(data.nbytes, lambda write: write(0, data))
+            except SegmentError:  # shared memory short: as bytes
+                self._fallbacks += 1
         if not local or copy is None:  # (a copy made while hashing, for workers gone since,
             blob = _HostBytes(digest, data.nbytes, data)  # is freed)
             blobs = self._client.scatter({key: blob}, hash=False, direct=self._direct)
@@ -914,17 +1058,35 @@ class ClusterExecutor(Executor):
         with self._lock:
             ready, self._arrived = self._arrived, []
         fetched: dict[str, Any] = {}
-        finished = [remote for _, remote in ready if remote.status == "finished"]
+        finished = [
+            remote
+            for call, remote in ready
+            if remote.status == "finished" and not call.future.done()
+        ]
         if len(finished) > 1:
             with contextlib.suppress(Exception):  # (then each alone, with its own error)
-                outcomes = self._client.gather(finished, direct=self._direct)
+                outcomes = self._gather(finished)
                 fetched = {r.key: o for r, o in zip(finished, outcomes, strict=True)}
         for call, remote in ready:
             try:
                 self._deliver(call, remote, fetched.pop(remote.key, _NOT_FETCHED))
             finally:
-                remote.release()  # (done already, unless delivering failed)
+                with contextlib.suppress(Exception):  # (a client closed: nothing to free)
+                    remote.release()  # (done already, unless delivering failed)
                 self._finished(call, remote)
+
+    def _gather(self, remotes: list[Any]) -> list[Any]:
+        """The results of finished tasks (of ones lost since, once computed again),
+        waited for while the client lives: a gather whose client closes under it would
+        never return (its event loop stopped)."""
+        coroutine = self._client.gather(remotes, direct=self._direct, asynchronous=True)
+        gathered = asyncio.run_coroutine_threadsafe(coroutine, self._client.loop.asyncio_loop)
+        while not wait_futures([gathered], _WATCH).done:
+            if (why := self._gone()) is not None:
+                gathered.cancel()
+                raise BrokenExecutor(why)
+        results: list[Any] = gathered.result()
+        return results
 
     def _finished(self, call: _Call, remote: Any) -> None:
         with self._lock:
@@ -942,37 +1104,78 @@ class ClusterExecutor(Executor):
             self._start_closing()
 
     def _deliver(self, call: _Call, remote: Any, outcome: Any) -> None:
-        """Complete the call's future: with ``outcome``, the task's, or fetched now."""
+        """Complete the call's future: with ``outcome``, the task's, or fetched now.
+
+        How each end of a Dask future maps to the standard library's:
+
+        * finished (or lost since, then computed again): the result, or the exception
+          the function raised, with its remote traceback as ``__cause__``;
+        * erred (the call failed to unpickle, a worker died running it too often:
+          Dask's ``KilledWorker``): that exception, with Dask's traceback if any;
+        * cancelled, with the client closed, its scheduler lost, or the cluster
+          restarted: every call not done fails with ``BrokenExecutor`` (see _break);
+        * cancelled by someone else on the cluster: the future ends cancelled.
+        """
         future = call.future
-        try:
-            if remote.status == "finished":
-                if outcome is _NOT_FETCHED:
-                    outcome = self._client.gather(remote, direct=self._direct)  # as blobs go
-                remote.release()  # the result leaves the cluster before the future is done
-            else:  # our wrapper failed (unpickling the call), or the cluster did
-                error = remote.exception()
-                tb = "".join(traceback.format_tb(remote.traceback()))
-                if tb:
-                    error.__cause__ = RemoteTraceback(tb)
-                future.set_exception(error)
-                return
-        except BaseException as exc:  # cancelled by the cluster, the client closed…
-            future.set_exception(exc)
+        if future.done():  # ended already: the executor broke
+            call.slots = []
             return
+        failure: BaseException | None = None
+        if remote.status not in ("error", "cancelled") and outcome is _NOT_FETCHED:
+            try:
+                outcome = self._gather([remote])[0]
+            except BaseException as exc:
+                failure = exc
+        if failure is not None or remote.status in ("error", "cancelled"):
+            call.slots = []
+            self._failed(call, remote, failure)
+            return
+        with contextlib.suppress(Exception):
+            remote.release()  # the result leaves the cluster before the future is done
         try:
             for index, change in outcome[-1]:
                 _write_back(call.slots[index], change)
         except BaseException as exc:  # (a view made read-only meanwhile, say)
-            future.set_exception(exc)
+            _fail(future, exc)
             return
         finally:
             call.slots = []
         if outcome[0] == "ok":
-            future.set_result(outcome[1])
+            with contextlib.suppress(InvalidStateError):  # (ended by _break meanwhile)
+                future.set_result(outcome[1])
         else:
             raised, tb = outcome[1], outcome[2]
             raised.__cause__ = RemoteTraceback(tb)
-            future.set_exception(raised)
+            _fail(future, raised)
+
+    def _failed(self, call: _Call, remote: Any, failure: BaseException | None) -> None:
+        """End a call whose task did not finish on the cluster (``failure``: what
+        fetching its result raised, if that is how it failed)."""
+        status = remote.status
+        why = self._gone()
+        if status == "cancelled" and why is None:
+            cancelled = getattr(getattr(remote, "_state", None), "exception", None)
+            lost = _CLUSTER_LOST.get(getattr(cancelled, "reason", ""))
+            if lost is not None:
+                why = f"{lost}: the calls in flight and this executor's arrays are gone"
+        if why is not None:
+            self._break(why)  # this call with every other
+        elif status == "cancelled":
+            call.future.cancel_running()
+        elif status == "error":
+            try:
+                error = remote.exception(timeout=_ASK_TIMEOUT)
+                tb = "".join(traceback.format_tb(remote.traceback(timeout=_ASK_TIMEOUT)))
+            except BaseException as exc:  # (the client closing now)
+                error, tb = exc, ""
+            if not isinstance(error, BaseException):  # (never None: see RemoteTraceback)
+                error = RuntimeError(f"the task {remote.key} failed on the cluster")
+            if tb:
+                error.__cause__ = RemoteTraceback(tb)
+            _fail(call.future, error)
+        else:
+            assert failure is not None
+            _fail(call.future, failure)
 
     # -- map and shutdown -----------------------------------------------------------------
 
@@ -982,23 +1185,140 @@ class ClusterExecutor(Executor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        buffersize: int | None = None,
     ) -> Iterator[T]:
-        """Return an iterator equivalent to ``map(fn, *iterables)``, the calls made on the
-        cluster; see :meth:`concurrent.futures.Executor.map`.
+        """Return an iterator of ``fn`` applied to the items of ``iterables``, in order,
+        the calls made on the cluster.
 
-        ``chunksize`` calls go to the cluster as one task; ``timeout`` (seconds, from the
-        call to ``map``) bounds the wait for each result, as the standard library's.
+        As :meth:`concurrent.futures.ProcessPoolExecutor.map` of Python 3.14 (and
+        :meth:`SharedProcessPoolExecutor.map`), on every Python sharexec supports.
+
+        Parameters
+        ----------
+        fn : callable
+            Called as ``fn(*items)``, one item of each iterable.
+        *iterables : iterable
+            Consumed in step, until the shortest ends.
+        timeout : float, optional
+            Seconds, from this call, within which every result must be ready:
+            :class:`TimeoutError` when one is not.
+        chunksize : int, default 1
+            Calls sent to the cluster together, in one task.
+        buffersize : int, optional
+            At most this many tasks (of ``chunksize`` calls) are submitted ahead of the
+            results consumed: ``map`` over a huge or endless iterator takes items as
+            results are taken. By default every call is submitted at once.
+
+        Returns
+        -------
+        iterator
+            The results, in the order of the items. A call's exception is raised when its
+            result is reached; closing the iterator cancels the calls not started.
         """
-        if chunksize < 1:
-            raise ValueError("chunksize must be >= 1.")
+        check_map(chunksize, buffersize)
+        calls = zip(*iterables, strict=False)  # to the shortest, as map()
         if chunksize == 1:
-            return super().map(fn, *iterables, timeout=timeout)
-        chunks = super().map(
-            partial(_run_chunk, fn),
-            _batched(zip(*iterables, strict=False), chunksize),
-            timeout=timeout,
-        )
-        return (result for chunk in chunks for result in chunk)
+            return results(self, partial(submit_future, fn), calls, timeout, buffersize)
+        chunks = ((chunk,) for chunk in batched(calls, chunksize))
+        submit_chunk = partial(submit_future, partial(_run_chunk, fn))
+        return flatten(results(self, submit_chunk, chunks, timeout, buffersize))
+
+    def statistics(self) -> Statistics:
+        """What this executor sent to the cluster, and how: the fields of
+        :meth:`SharedProcessPoolExecutor.statistics`, with their meaning on a cluster.
+
+        Returns
+        -------
+        Statistics
+            ``segments_live`` and ``bytes_in_shared_memory``: this process's segments
+            holding data now (shared arrays, and the copies of sent arrays this process
+            made for the workers of its host; the workers' own copies, on other hosts,
+            are not counted). ``bytes_copied``: bytes of arguments sent to the cluster,
+            once each; ``bytes_reused``: bytes of arguments served an array sent before,
+            instead of sending it again; ``fallbacks``: arrays sent through Dask as bytes
+            because this host's shared memory was short. ``tasks_submitted`` and
+            ``tasks_done``: calls submitted (a ``map`` chunk is one), and those whose
+            future is done. Always zero here: ``segments_pooled`` and ``bytes_pooled``
+            (no warm pool), ``bytes_by_reference`` (a shared array reaches a task as a
+            snapshot, copied in and out, never by reference), ``tasks_batched`` and
+            ``batches`` (every call is a task of its own).
+        """
+        from ._warm import pooled_everywhere
+
+        owned, owned_bytes = _tracking.live()
+        everywhere, everywhere_bytes = pooled_everywhere()
+        with self._lock:
+            return Statistics(
+                segments_live=max(0, owned - everywhere),
+                bytes_in_shared_memory=max(0, owned_bytes - everywhere_bytes),
+                segments_pooled=0,
+                bytes_pooled=0,
+                bytes_copied=self._bytes_sent,
+                bytes_reused=self._bytes_reused,
+                bytes_by_reference=0,
+                fallbacks=self._fallbacks,
+                tasks_submitted=self._submitted,
+                # Done the moment its state says so (before its callbacks are called).
+                tasks_done=self._submitted - sum(not f.done() for f in self._undone),
+                tasks_batched=0,
+                batches=0,
+            )
+
+    def terminate_workers(self) -> None:
+        """Stop now: end the calls in flight, and shut the executor down.
+
+        As :meth:`concurrent.futures.ProcessPoolExecutor.terminate_workers` of Python
+        3.14, with a meaning on a cluster: the calls not started are cancelled, those
+        running fail with :class:`~concurrent.futures.BrokenExecutor` and their tasks
+        are cancelled on the cluster, and no call may be submitted afterwards. The
+        workers of a local cluster this executor started are terminated (SIGTERM; a
+        ``processes=False`` cluster has none: its threads cannot be stopped, it is
+        closed). The workers of a cluster given as a client or an address are the
+        user's, shared with other work: they are never signalled, and a task already
+        running in one runs to its end there (Dask cannot stop a worker's thread), its
+        outcome dropped.
+        """
+        self._force_shutdown(signal.SIGTERM)
+
+    def kill_workers(self) -> None:
+        """Stop now, as :meth:`terminate_workers`, the workers of a local cluster this
+        executor started being killed (SIGKILL).
+
+        As :meth:`concurrent.futures.ProcessPoolExecutor.kill_workers` of Python 3.14;
+        the workers of a cluster given as a client or an address are never signalled.
+        """
+        self._force_shutdown(signal.SIGKILL)
+
+    def _force_shutdown(self, signum: signal.Signals) -> None:
+        name = "kill_workers" if signum == signal.SIGKILL else "terminate_workers"
+        with self._lock:
+            self._shut_down = True
+            queued = [call.future for call in self._queue]
+            self._queue.clear()
+            remotes = [c.remote for c in self._running.values() if c.remote is not None]
+        for future in queued:  # as shutdown(cancel_futures=True)
+            future.cancel()
+        # The running calls fail first: their tasks cancelled next are none of theirs.
+        self._break(f"{name}() was called: the calls in flight were ended")
+        if remotes and self._gone() is None:
+            with contextlib.suppress(Exception):  # (the client closing meanwhile)
+                self._client.cancel(remotes, force=True)
+        for pid in self._worker_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        self.shutdown(wait=False)
+
+    def _worker_pids(self) -> list[int]:
+        """The worker processes of the local cluster this executor started (none of a
+        cluster it was given, nor of a cluster of threads)."""
+        if self._cluster is None:
+            return []
+        pids = []
+        for worker in list(self._cluster.workers.values()):  # nannies, or workers
+            pid = getattr(getattr(getattr(worker, "process", None), "process", None), "pid", None)
+            if isinstance(pid, int):
+                pids.append(pid)
+        return pids
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Free the executor's resources once the calls submitted are done; see
@@ -1036,28 +1356,34 @@ class ClusterExecutor(Executor):
             return self._closer
 
     def _release_all(self) -> None:
-        dispatcher = self._dispatcher
-        if dispatcher is not None:
-            dispatcher.join()
-        self._results.shutdown(wait=True)
-        with self._lock:
-            sent, self._sent = list(self._sent.values()), {}
-            self._read = {}
-        for s in sent:
-            s.release()
-        if self._client.status == "running":
-            self._await_forgotten()
-        if self._owns_client:
-            self._client.close()
-        if self._cluster is not None:
-            self._cluster.close()
+        try:
+            dispatcher = self._dispatcher
+            if dispatcher is not None:
+                dispatcher.join()
+            self._results.shutdown(wait=True)
+            with self._lock:
+                sent, self._sent = list(self._sent.values()), {}
+                self._read = {}
+            for s in sent:
+                s.release()
+            # (A cluster of the executor's own is closed: nothing of it is left.)
+            if self._client.status == "running" and self._cluster is None:
+                self._await_forgotten()
+        finally:
+            if self._owns_client:
+                self._client.close()
+            if self._cluster is not None:
+                self._cluster.close()
 
     def _await_forgotten(self) -> None:
         """Until neither the scheduler nor a worker holds a key of this executor's."""
         deadline = time.monotonic() + _FORGET_TIMEOUT
-        while time.monotonic() < deadline:
-            held = self._client.run_on_scheduler(_scheduler_holds, self._token)
-            held += sum(self._client.run(_worker_holds, self._token).values())
+        while time.monotonic() < deadline and self._client.status == "running":
+            try:
+                held = self._client.run_on_scheduler(_scheduler_holds, self._token)
+                held += sum(self._client.run(_worker_holds, self._token).values())
+            except Exception:  # (a worker leaving as it is asked): ask again
+                held = 1
             if not held:
                 return
             time.sleep(0.02)  # the workers forget a moment after the scheduler tells them
@@ -1088,11 +1414,6 @@ def _write_back(view: np.ndarray, change: Any) -> None:
         view[...] = values
     else:
         view[np.unpackbits(mask, count=view.size).view(bool).reshape(view.shape)] = values
-
-
-def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
-    while chunk := list(islice(items, n)):
-        yield chunk
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ them, and every use of loky's internals, is in :mod:`sharexec._loky`)::
     │  wraps the call in a _transport.Task; nothing is copied yet
     ▼
   pending work items ──▶ call queue ──(feeder thread pickles)──▶ pipe ──▶ worker
+     (the manager thread moves them, queued calls of short functions several in one
+      call item: _batching, _worker.run_batch)
                           │
                           └▶ Task.__reduce__: plain arguments ─▶ the standard pickler;
                              else one cloudpickle pass (_reduction, a ForwardSink)
@@ -48,17 +50,15 @@ import signal
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FuturesTimeoutError
-from dataclasses import dataclass
 from functools import partial
-from itertools import islice
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from . import _tracking
+from ._api import Statistics, batched, check_map, flatten, results, submit_future
 from ._batching import Batching
 from ._cluster import ClusterExecutor, chosen
 from ._config import Options
@@ -91,76 +91,6 @@ def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
             f"got {mp_context!r}"
         )
     return mp_context
-
-
-@dataclass(frozen=True)
-class Statistics:
-    """A snapshot of what an executor moved through shared memory, and what is held now.
-
-    The byte counts are of the data itself (no pickle framing) and run from the
-    executor's creation; the segment counts are of this moment. A worked example whose
-    numbers the test suite checks is in the documentation (*How it works*, "Reading
-    statistics()").
-
-    Attributes
-    ----------
-    segments_live : int
-        Segments of this process that hold live data now: shared arrays (from
-        :func:`sharexec.zeros` and friends, of any executor or none), copies of the
-        arguments of tasks in flight, segments lent to tasks in flight for their results,
-        and results not yet garbage-collected. Warm segments kept in pools for reuse are
-        not counted here (see `segments_pooled`). Counted for the whole process: a
-        shared array belongs to no executor.
-    bytes_in_shared_memory : int
-        The total size of the `segments_live` (including, after a fallback, file-backed
-        segments on disk).
-    segments_pooled : int
-        Warm segments this executor keeps for its next copies and results: no data of
-        yours lives in them, and they are freed after 10 s unused, at shutdown, or as
-        soon as the executor is garbage-collected without one.
-    bytes_pooled : int
-        Their total size: at most a quarter of the shared-memory folder, and 1 GiB.
-    bytes_copied : int
-        Bytes of arguments copied into shared memory, one memcpy each: a large private
-        array (or its part a task can see) once per copy made, a gappy view
-        (``img[:1024, :1024]``) once, compactly.
-    bytes_reused : int
-        Bytes of arguments sent from a copy that already held them, instead of copying
-        them again: the same unchanged array submitted again while its copy lived, or
-        a second view of one base in the same call (``f(a, a.T)``). Copies avoided; never
-        overlaps `bytes_copied` for the same send.
-    bytes_by_reference : int
-        Bytes of shared arrays and views passed to tasks by reference (nothing copied),
-        summed over calls: what each task can reach through the views it was given
-        (``out[:1000]``: 1000 elements; at most the segment's size). An array passed to
-        ten tasks counts ten times: this is the pickling avoided, not memory in use.
-    fallbacks : int
-        Times shared memory fell short for an argument: a file on disk, or pickling, was
-        used instead.
-    tasks_submitted, tasks_done : int
-        Calls submitted, and calls whose future is done (result, exception or
-        cancelled).
-    tasks_batched : int
-        Calls that went to a worker together with others, in one message (see *How it
-        works*, "Many small calls"): queued calls of functions measured short. Zero
-        with ``batching=False``.
-    batches : int
-        The messages those calls went in: ``tasks_batched / batches`` calls each, on
-        average.
-    """
-
-    segments_live: int
-    bytes_in_shared_memory: int
-    segments_pooled: int
-    bytes_pooled: int
-    bytes_copied: int
-    bytes_reused: int
-    bytes_by_reference: int
-    fallbacks: int
-    tasks_submitted: int
-    tasks_done: int
-    tasks_batched: int
-    batches: int
 
 
 class SharedProcessPoolExecutor(LokyExecutor):
@@ -380,24 +310,18 @@ class SharedProcessPoolExecutor(LokyExecutor):
             The results, in the order of the items. A call's exception is raised when its
             result is reached; closing the iterator cancels the calls not started.
         """
-        if buffersize is not None:
-            if not isinstance(buffersize, int):
-                raise TypeError("buffersize must be an integer or None")
-            if buffersize < 1:
-                raise ValueError("buffersize must be None or > 0")
-        if chunksize < 1:
-            raise ValueError("chunksize must be >= 1.")
+        check_map(chunksize, buffersize)
         calls = zip(*iterables, strict=False)  # to the shortest, as map()
         if chunksize == 1:
             # A call per item, submitted as it is, so that calls with plain arguments
             # skip the pickling pass (see Transport.plain_call) and calls of a function
             # measured short travel in batches; each with a slot, not a future (no user
             # sees it: a tenth of a future's cost).
-            return _results(self, partial(_submit_slot, _MapRun(), fn), calls, timeout, buffersize)
-        chunks = ((chunk,) for chunk in _batched(calls, chunksize))
+            return results(self, partial(_submit_slot, _MapRun(), fn), calls, timeout, buffersize)
+        chunks = ((chunk,) for chunk in batched(calls, chunksize))
         chunk_fn = partial(run_chunk, fn)
-        submit_chunk = partial(_submit_future, chunk_fn)
-        return _flatten(_results(self, submit_chunk, chunks, timeout, buffersize))
+        submit_chunk = partial(submit_future, chunk_fn)
+        return flatten(results(self, submit_chunk, chunks, timeout, buffersize))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Free the workers and the segments of the executor (without ``wait``, those of
@@ -470,75 +394,6 @@ class SharedProcessPoolExecutor(LokyExecutor):
                     os.kill(process.pid, signum)  # loky's processes have no kill()
             except (ValueError, ProcessLookupError):  # closed, or gone meanwhile
                 continue
-
-
-def _batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
-    """``items`` in lists of ``n`` (the last may be shorter), as they are taken."""
-    while chunk := list(islice(items, n)):
-        yield chunk
-
-
-def _submit_future(
-    fn: Callable[..., Any], executor: SharedProcessPoolExecutor, args: tuple[Any, ...]
-) -> Future[Any]:
-    return executor.submit(fn, *args)
-
-
-def _results(
-    executor: SharedProcessPoolExecutor,
-    submit: Callable[[SharedProcessPoolExecutor, tuple[Any, ...]], Any],
-    calls: Iterator[tuple[Any, ...]],
-    timeout: float | None,
-    buffersize: int | None,
-) -> Iterator[Any]:
-    """Submit the calls (all now, or ``buffersize`` ahead) and iterate their results.
-
-    The standard library's ``Executor.map`` of Python 3.14, which older Pythons lack.
-    ``submit(executor, args)`` queues one call and returns its future (or ``_Slot``).
-    """
-    end = None if timeout is None else timeout + time.monotonic()
-    futures = deque(submit(executor, args) for args in islice(calls, buffersize))
-    # Weakly: an executor is collected (and shut down) as usual while this iterator lives.
-    owner = weakref.ref(executor)
-
-    def iterate() -> Iterator[Any]:
-        try:
-            while futures:
-                if buffersize is not None:
-                    alive = owner()
-                    args = next(calls, None) if alive is not None else None
-                    if args is not None and alive is not None:
-                        futures.append(submit(alive, args))
-                    del alive
-                # Not a name for the future: a reference kept here would keep its
-                # result (and a traceback cycle) alive while the caller holds the value.
-                if end is None:
-                    yield _result_or_cancel(futures.popleft())
-                else:
-                    yield _result_or_cancel(futures.popleft(), end - time.monotonic())
-        finally:
-            for future in futures:
-                future.cancel()
-
-    return iterate()
-
-
-def _result_or_cancel(future: Future[Any], timeout: float | None = None) -> Any:
-    try:
-        try:
-            return future.result(timeout)
-        finally:
-            future.cancel()
-    finally:
-        del future  # breaks the cycle of an exception's traceback with this frame
-
-
-def _flatten(chunks: Iterator[list[Any]]) -> Iterator[Any]:
-    """The items of each chunk's list of results, holding none once yielded."""
-    for chunk in chunks:
-        chunk.reverse()
-        while chunk:
-            yield chunk.pop()
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The one door to loky's internals (and to multiprocessing's and concurrent.futures').
 
-sharexec runs on loky's process pool, and reaches below loky's public surface in five
-places, and below multiprocessing's in one. Every such access is made here and nowhere
-else in sharexec; the rest of the package sees the small surface below, with plain names:
+sharexec runs on loky's process pool, and reaches below the public surface of loky,
+multiprocessing and ``concurrent.futures`` in the places listed below. Every such
+access is made here and nowhere else in sharexec; the rest of the package sees the
+small surface below, with plain names:
 
 * :class:`LokyExecutor`, the base of sharexec's executor: loky's ``ProcessPoolExecutor``
   with ``_enqueue(future, fn, args)``, which queues a call with a future of the caller's
@@ -14,8 +15,18 @@ else in sharexec; the rest of the package sees the small surface below, with pla
   ``_adjust_process_count``, which would start them all at once, starts at most one per
   call not done, each as loky does: ``_process_worker`` and its arguments; under fork all
   at the first call; a Ctrl-C held while they and the manager thread start), reported to
-  ``_workers_started(pids)``; and the two queue subclasses below, swapped in as loky
-  creates its queues.
+  ``_workers_started(pids)``; the two queue subclasses below, swapped in as loky
+  creates its queues; and ``shutdown(cancel_futures=True)`` reaching the calls a worker
+  hands back later (``_cancel_pending``).
+* Batching (the policy is :mod:`sharexec._batching`'s, a :class:`BatchPolicy`): loky's
+  manager thread becomes a :class:`_Manager` once started (its class swapped), which
+  puts several queued calls in one call item (:class:`CallBatch`), completes each from
+  the worker's :class:`BatchOutcome`, and queues again the calls a worker hands back
+  (:func:`send_outcome`); its wake-up is written only when it is asleep
+  (:class:`_CoalescedWakeup`, swapped in at construction) and the work ids are a deque
+  (:class:`_WorkIds`). A call's run time rides on its result item
+  (:func:`note_run_seconds`); a call delivered while it waited to be pickled raises
+  :class:`AlreadyDone`, and the feeder thread drops it.
 * :func:`warm_context`, sharexec's default start method: multiprocessing's forkserver
   with a server of sharexec's own (a second ``ForkServer``, preloading
   :data:`WARM_PRELOAD`), whose ``Popen`` asks that server for the fork and tells the
@@ -40,13 +51,15 @@ else in sharexec; the rest of the package sees the small surface below, with pla
   imported (``import torch`` does), after sharexec.
 * :func:`count_private_memory_only`: in sharexec's workers only (never in the parent, nor
   in a worker of another pool), loky's leak check measures private memory, not the
-  shared pages a worker maps. This is the one thing of loky that is replaced: a module
-  attribute of ``loky.process_executor``, in the worker process.
+  shared pages a worker maps. This is the one module attribute of loky that is
+  replaced: ``loky.process_executor._get_memory_usage``, in the worker process.
 * :class:`LokyFuture`, the base of sharexec's future: loky's, whose lock
   (``concurrent.futures.Future._condition``, which ``wait`` and ``as_completed`` take)
   is made when first asked for; until then the futures of one executor share one.
 
-Also offered, being public loky API: :func:`cpu_count` and :func:`get_context`.
+Also offered: :func:`remote_traceback` (loky's ``_RemoteTraceback``, the ``__cause__``
+of a task's exception), and, being public loky API, :func:`cpu_count` and
+:func:`get_context`.
 
 **Versions.** sharexec supports loky :data:`SUPPORTED_LOKY` (the pin in
 ``pyproject.toml``). At import, this module checks that everything it uses exists, and

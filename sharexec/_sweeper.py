@@ -35,8 +35,9 @@ through a pidfd taken when their ``W`` was heard: never another process that reu
 pid). Then it unlinks what is left, and exits. It never unlinks a name without sharexec's
 prefix.
 
-The sweeper runs ``python -S`` and loads nothing but this module, the standard library
-and :mod:`sharexec._segments`: it must never import :mod:`sharexec._tracking`.
+The sweeper runs ``python -S`` and loads nothing but this module, the standard library,
+:mod:`sharexec._segments` and :mod:`sharexec.errors`: it must never import
+:mod:`sharexec._tracking`.
 """
 
 from __future__ import annotations

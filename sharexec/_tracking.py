@@ -1,7 +1,9 @@
 """Ownership of segments: who maps what, who frees what, and when.
 
-This module is the only one that unlinks (but for the sweeper process, which frees what
-dead processes left). Its rules:
+This module is the only one of a process that unlinks (but for the sweeper process,
+which frees what dead processes left, and ``doctor --clean``, which removes stale
+segments): a handle collected, or a segment handed to this process that it will never
+own (:func:`forget`, :func:`adopt_private`). Its rules:
 
 * Each segment this process must free has one :class:`Segment` handle. The handle is
   unlinked when it is garbage-collected, so Python's own reference counts decide a

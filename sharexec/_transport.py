@@ -12,18 +12,25 @@ segments its payload refers to until its future is done (:meth:`Task.release`).
 * :class:`CopyCache`: which copy holds which bytes, for which tasks it is a valid
   snapshot, and which tasks in flight hold each copy;
 * a :class:`~sharexec._warm.SegmentPool`: warm segments (pages already faulted in) no
-  task holds, reused for the next copies and lent for results, bounded in bytes and in
-  age;
+  task holds, reused for the next copies and lent for results, bounded in bytes, in
+  count and in age;
 * :class:`ResultLoans`: warm segments lent to tasks for their results, sized after the
   function's last results, and the receiver (``_wire.Receiver``) of every result: a
   result's segment goes to the pool once the result is collected;
 * :class:`Counts`: what went where, for ``statistics()``.
 
+Also here: :class:`ForwardSink`, where the forward pass puts a call's large buffers
+(copies, counted, reused), and :func:`_in_parallel`, which splits a large copy or
+comparison over several cores.
+
 Locks: the facade's ``Transport._lock`` serializes what spans two parts (a copy reused
 out of the pool, a pooled segment taken for new bytes); it is taken before any part's
-own lock, and no part calls back into the facade. The parts' locks are re-entrant,
-since a weakref callback (a collected result giving its segment back) may fire while
-one is held.
+own lock, and no part calls back into the facade. The locks that a weakref callback
+takes (a collected result giving its segment back, a collected copy leaving the
+cache) are re-entrant, since the callback may fire while one is held: the pool's,
+``CopyCache``'s. ``ResultLoans``' is too; ``Counts``' is taken by no callback.
+``Functions``' is a plain lock, yet a collected function's callback takes it
+(docs/design.md, "Known limits").
 """
 
 from __future__ import annotations

@@ -8,6 +8,13 @@
   segments). :func:`run` calls the function and packs the result: a plain value as it
   is, anything else in a ``_wire.Reply``, through the backward pass
   (:mod:`sharexec._reduction` with its ``BackwardSink``) when it may hold an array.
+* A batch (several queued calls in one message, see :mod:`sharexec._batching`): it
+  rebuilds as :func:`load_batch`, and :func:`run_batch` runs its calls in order, each
+  with its own outcome and run time; a thread of the worker (:class:`_Streamer`) hands
+  back the calls not started once the batch has held them too long.
+* ``map(chunksize=n)``: :func:`run_chunk` runs a chunk's calls in order.
+* Mappings kept between tasks: :class:`KeptMappings` (one per process, :data:`kept`),
+  also used by the cluster executor's Dask workers.
 
 A worker imports nothing heavy: no NumPy until a task carries or returns an array. A call
 that holds an array imports :mod:`sharexec._arrays` (and so NumPy) when it is unpickled;

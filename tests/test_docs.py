@@ -247,3 +247,53 @@ def test_the_supported_pythons_agree_everywhere():
     assert nox_pythons, "noxfile.py: PYTHONS"
     assert in_readme == classifiers == ast.literal_eval(nox_pythons[1])
     assert project["requires-python"] == f">={in_readme[0]}"
+
+
+# The trove classifier of each operating system the README may name.
+OS_CLASSIFIERS = {
+    "Linux": "Operating System :: POSIX :: Linux",
+    "macOS": "Operating System :: MacOS",
+    "Windows": "Operating System :: Microsoft :: Windows",
+}
+
+
+def test_the_classifiers_claim_only_the_supported_systems():
+    """pyproject.toml's operating systems are those the README's support policy names,
+    and none of those its "Status" calls untested."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stated = re.search(r"sharexec supports \*\*CPython [\d., and]+\*\* on (\w+)", readme)
+    assert stated, "README.md: on which systems sharexec is supported"
+    untested = re.search(r"(\w+)\s+and\s+(\w+)\s+are planned but not yet tested", readme)
+    assert untested, "README.md: which systems are not tested yet"
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        classifiers = tomllib.load(f)["project"]["classifiers"]
+    systems = {c for c in classifiers if c.startswith("Operating System :: ")}
+    assert systems == {OS_CLASSIFIERS[stated[1]]}
+    assert not systems & {OS_CLASSIFIERS[name] for name in untested.groups()}
+
+
+def test_the_version_is_written_once():
+    """pyproject.toml takes the version from ``sharexec.__version__`` (hatchling reads
+    it), and the installed package's metadata says the same version."""
+    import importlib.metadata
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        config = tomllib.load(f)
+    assert "version" not in config["project"], "pyproject.toml: the version is dynamic"
+    assert "version" in config["project"]["dynamic"]
+    assert config["tool"]["hatch"]["version"]["path"] == "sharexec/__init__.py"
+    assert importlib.metadata.version("sharexec") == sharexec.__version__
+
+
+def test_the_changelog_is_in_the_usual_form():
+    """CHANGES.md: "Unreleased" first, then one bullet per change a user can see, citing
+    no tracker issue (the repository stands alone)."""
+    text = (ROOT / "CHANGES.md").read_text(encoding="utf-8")
+    versions = re.findall(r"^## (.+)$", text, re.M)
+    assert versions and versions[0] == "Unreleased", versions
+    assert not re.search(r"\bissues? \d+", text, re.I), "CHANGES.md cites a tracker issue"
+    for line in text.splitlines():
+        assert len(line) <= 99, f"CHANGES.md: a line of {len(line)} characters"

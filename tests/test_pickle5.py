@@ -1,7 +1,8 @@
-"""Protocol-5 objects beyond numpy (D3 rule 3): pandas, pyarrow, scipy.sparse.
+"""Protocol-5 objects beyond numpy: pandas, pyarrow, scipy.sparse.
 
 Their large buffers go through shared memory (statistics() shows the bytes), they come
-back exact, and they keep copy semantics: a worker's writes never reach the parent.
+back exact, and they keep copy semantics: a worker's writes never reach the parent
+(docs/how-it-works.md, "What is shared, and with which semantics").
 """
 
 from __future__ import annotations

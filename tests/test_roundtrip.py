@@ -1,10 +1,11 @@
 """Odd inputs, exact round-trips, under the default start method and spawn.
 
 Every kind of array goes to a worker and comes back bit for bit: as argument, as result,
-nested in containers. Plain arrays take the shared path when large (D3 rules 2 and 5,
-datetime64 included although numpy pickles it in band); subclasses keep their type or come
-back as plain pickling gives them, never corrupted. A hypothesis property covers dtypes,
-shapes and views at random. The arrays and the worker functions are in roundtrip_cases.py.
+nested in containers. Plain arrays take the shared path when large (docs/how-it-works.md,
+"What is shared, and with which semantics"; datetime64 included although numpy pickles
+it in band); subclasses keep their type or come back as plain pickling gives them, never
+corrupted. A hypothesis property covers dtypes, shapes and views at random. The arrays
+and the worker functions are in roundtrip_cases.py.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _float_bits(a: np.ndarray) -> np.ndarray:
 
 
 def expect_shared(a: np.ndarray, min_share_bytes: int = DEFAULT_MIN_SHARE_BYTES) -> bool:
-    """Whether D3 sends ``a`` (and sends it back) through a segment."""
+    """Whether sharexec sends ``a`` (and sends it back) through a segment."""
     return type(a) is np.ndarray and not a.dtype.hasobject and a.nbytes >= min_share_bytes
 
 
@@ -102,7 +103,7 @@ def as_pickled(a: Any, times: int = 1) -> Any:
 def assert_round_trip(
     got: Any, a: np.ndarray, min_share_bytes: int = DEFAULT_MIN_SHARE_BYTES, where: str = ""
 ) -> None:
-    """``got`` is what D3 promises for ``a``: ``a`` exactly when it is shared or a plain
+    """``got`` is what sharexec promises for ``a``: ``a`` exactly when it is shared or a plain
     array (byte order included, which numpy's own pickle loses for non-contiguous views,
     datetime64 and long double); otherwise (subclasses, objects) the same values and
     exactly what pickle makes of it.
@@ -353,7 +354,7 @@ def test_object_arrays_both_ways(executor):
                 assert g.tolist() == want.tolist(), where
             else:
                 assert_same_values(g, want, where)
-    # the large arrays an object array holds are shared all the same (D3: at any depth)
+    # the large arrays an object array holds are shared all the same (at any depth)
     assert executor.submit(rc.inner_in_segment, cases["arrays inside"]).result() == (True, True)
     assert workers.in_segment(made["arrays inside"][0])
 

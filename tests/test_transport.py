@@ -129,7 +129,7 @@ def _child_reads(a, started, go, queue):
 
 
 def test_what_forkingpickler_registers_pickles_by_that_reducer_both_ways(executor):
-    """Parity with the standard library's pickler (D10): a reducer registered with
+    """Parity with the standard library's pickler: a reducer registered with
     multiprocessing's ForkingPickler (after sharexec was imported) pickles the object in
     the call and in the result, and wins over copyreg's, as it does in the stdlib."""
     from multiprocessing.reduction import ForkingPickler
@@ -335,7 +335,7 @@ def test_a_slice_that_fails_fails_the_whole_and_every_slice_ends_first(monkeypat
 def test_a_copy_serves_tasks_submitted_before_it_as_is_and_later_ones_once_compared(
     monkeypatch: pytest.MonkeyPatch, no_leaks: None
 ) -> None:
-    """D3 rule 2: a copy made after a task was submitted is a snapshot of that task's
+    """A copy made after a task was submitted is a snapshot of that task's
     argument, taken no later than the stdlib would; a later task's bytes are compared."""
     from sharexec import _transport
     from sharexec._config import Options
