@@ -46,7 +46,8 @@ class Statistics:
         segments on disk).
     segments_pooled : int
         Warm segments this executor keeps for its next copies and results: no data of
-        yours lives in them, and they are freed after 10 s unused or at shutdown.
+        yours lives in them, and they are freed after 10 s unused, at shutdown, or as
+        soon as the executor is garbage-collected without one.
     bytes_pooled : int
         Their total size: at most a quarter of the shared-memory folder, and 1 GiB.
     bytes_copied : int

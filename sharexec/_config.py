@@ -29,7 +29,8 @@ DEFAULT_MIN_SHARE_BYTES = 256 << 10
 # side keeps what the other has let go of (see docs/design.md, "Warm memory"):
 # - the parent's pool of warm segments holds at most WARM_BYTES (and a quarter of
 #   shared memory) in at most WARM_SEGMENTS segments (each is a name in the folder and
-#   a mapping in the parent), and drops a segment unused for WARM_IDLE_SECONDS;
+#   a mapping in the parent), and drops a segment once it has been unused for
+#   WARM_IDLE_SECONDS (at most _warm.TRIM_SLACK later);
 # - a worker keeps at most WARM_BYTES and KEPT_MAPPINGS mappings of the segments its
 #   tasks received, and drops them all after WARM_IDLE_SECONDS without a task. A copy
 #   stays in the parent's pool at least as long as a worker may keep its mapping.

@@ -49,6 +49,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FuturesTimeoutError
@@ -166,6 +167,12 @@ class SharedProcessPoolExecutor(LokyExecutor):
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self._transport = Transport(self._options)
+        # Its pool of warm segments goes at shutdown, or as soon as this object is
+        # collected if it never was (dropped, as a standard library executor may be,
+        # whose workers then exit and which holds nothing): not when the pool's idle
+        # timer would fire. The calls still in flight keep their own segments; what
+        # comes back to the closed pool is dropped.
+        self._close_transport = weakref.finalize(self, self._transport.close)
         # Every worker runs run_initializer: it watches this process (and exits with it),
         # then runs the user's initializer, whose call is shared like a task's, pickled at
         # each worker start: it lives as long as the executor.
@@ -326,7 +333,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
         if cancel_futures:
             self._cancel_pending()  # and the calls a worker hands back later
         super().shutdown(wait=wait)
-        self._transport.close()
+        self._close_transport()
         if self._init_task is not None:
             if wait:
                 self._init_task.release()

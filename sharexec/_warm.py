@@ -6,6 +6,14 @@ keeps a :class:`SegmentPool` of the segments its copies and results no longer ne
 the shared arrays of a process have one of their own (see :mod:`sharexec._arrays`), each
 under the same bounds (:func:`pool_limit`, ``WARM_SEGMENTS``, ``WARM_IDLE_SECONDS``).
 NumPy-free: only segments and their sizes.
+
+The idle rule, exactly: a segment is freed once it has been in the pool, unused, for
+``WARM_IDLE_SECONDS``, at most ``TRIM_SLACK`` later (and however late a timer thread of a
+busy machine wakes). A pool that holds segments has one timer, set for the moment its
+oldest segment turns idle long enough (the others came in after it, so none is due
+before); when it fires it frees every segment due by then and is set again for the next
+oldest, at least ``TRIM_SLACK`` ahead (segments put back within ``TRIM_SLACK`` of each
+other go together: one wake-up, not one per segment). An empty pool has no timer.
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ from ._config import WARM_BYTES, WARM_IDLE_SECONDS, WARM_SEGMENTS
 from ._segments import Mapping
 
 __all__ = ["SegmentPool", "pool_limit", "pooled_everywhere"]
+
+# How much later than its due time an idle segment may be freed (see the module's
+# docstring): the least time between two wake-ups of a pool's timer.
+TRIM_SLACK = 0.05
 
 
 def pool_limit() -> int:
@@ -37,15 +49,19 @@ class SegmentPool:
     already faulted in: a memcpy into them runs ~10x faster than into fresh shared pages.
 
     Bounded in bytes (``limit``), in count (``count``: each pooled segment is a name in
-    the shared-memory folder and a mapping here) and in age (``WARM_IDLE_SECONDS``): a
-    timer trims it while it holds anything, so an idle executor does not keep its warm
-    segments. A segment dropped from the pool is unlinked (its handle is collected).
-    Once closed (the executor shut down), nothing comes in any more.
+    the shared-memory folder and a mapping here) and in age (``idle_seconds``: a timer
+    frees each segment once it has been unused that long, see the module's docstring),
+    so an idle executor does not keep its warm segments. A segment dropped from the
+    pool is unlinked (its handle is collected). Once closed (the executor shut down or
+    collected), nothing comes in any more.
     """
 
-    def __init__(self, limit: int, count: int = WARM_SEGMENTS) -> None:
+    def __init__(
+        self, limit: int, count: int = WARM_SEGMENTS, idle_seconds: float = WARM_IDLE_SECONDS
+    ) -> None:
         self._limit = limit
         self._count = count
+        self._idle_seconds = idle_seconds
         self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
         _pools.add(self)
         # Oldest first, with the time each came in, e.g. [(<Mapping>, 5012.5)], and
@@ -53,7 +69,8 @@ class SegmentPool:
         self._pool: list[tuple[Mapping, float]] = []
         self._bytes = 0
         self._closed = False
-        self._trimmer: threading.Timer | None = None  # trims the pool once idle
+        # Frees the oldest segment when it has been idle long enough (see _trim).
+        self._trimmer: threading.Timer | None = None
 
     def put(self, mapping: Mapping) -> None:
         """A segment is free again (unless the pool is closed: then it is dropped)."""
@@ -112,15 +129,20 @@ class SegmentPool:
                 self._trimmer = None
 
     def _trim(self) -> None:
-        """Drop pooled segments idle too long, or beyond the limits (lock held)."""
-        old = time.monotonic() - WARM_IDLE_SECONDS
-        if self._pool and self._pool[0][1] < old:  # oldest first: any to drop is in front
-            self._pool = [(m, t) for m, t in self._pool if t >= old]
+        """Drop pooled segments idle too long, or beyond the limits, and set the timer
+        for the next one due (lock held)."""
+        now = time.monotonic()
+        old = now - self._idle_seconds
+        if self._pool and self._pool[0][1] <= old:  # oldest first: any to drop is in front
+            self._pool = [(m, t) for m, t in self._pool if t > old]
             self._bytes = sum(len(m) for m, _ in self._pool)
         while self._pool and (self._bytes > self._limit or len(self._pool) > self._count):
             self._bytes -= len(self._pool.pop(0)[0])
+        # A timer already set fires no later than the oldest segment is due: the segments
+        # that came in since are due after it, and one taken out only makes it early.
         if self._pool and self._trimmer is None and not self._closed:
-            self._trimmer = threading.Timer(WARM_IDLE_SECONDS, self._trim_later)
+            due = self._pool[0][1] + self._idle_seconds - now
+            self._trimmer = threading.Timer(max(due, TRIM_SLACK), self._trim_later)
             self._trimmer.daemon = True
             self._trimmer.start()
 

@@ -820,3 +820,29 @@ def test_shutdown_without_waiting_keeps_no_copy(start_method, no_leaks):
         manager_thread.join(60)
     finally:
         ex.shutdown(wait=True)
+
+
+def test_executors_dropped_without_shutdown_keep_no_segment(start_method, no_leaks):
+    """Six executors, each sent one large array and dropped without ``shutdown``, as a
+    standard library executor may be: once collected, none of their warm segments is
+    left in /dev/shm (not only once their pools' idle timers fire), and their workers
+    exit, as a collected ``ProcessPoolExecutor``'s do."""
+    import gc
+
+    import numpy as np
+    import workers
+
+    before = segments_now()
+    pids = []
+    for _ in range(6):
+        ex = sharexec.SharedProcessPoolExecutor(1, mp_context=start_method)
+        assert ex.submit(workers.total, np.ones(1 << 19)).result() == 1 << 19  # 4 MiB
+        assert ex._transport.pooled(), "the finished task's copy should be pooled"
+        pids += [p.pid for p in ex._pool_processes()]
+        del ex
+    gc.collect()
+    assert_none_left(segments_now() - before)
+    outlived = wait_exit(pids, 60)
+    if outlived:
+        faults_plugin.crashed("workers outlived their collected executor")
+    assert not outlived, "workers outlived their collected executor"

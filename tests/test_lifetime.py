@@ -207,3 +207,30 @@ def test_a_pooled_segment_idle_too_long_is_dropped_and_unlinked(no_leaks):
     assert len(pool) == 2 and names[1] not in pool.names()
     assert names[1] not in segments_now()
     pool.close()
+
+
+def test_an_idle_pool_frees_each_segment_when_it_has_been_idle_long_enough(no_leaks):
+    """Each pooled segment is freed ``idle_seconds`` after it came back to the pool,
+    within the trim's slack, not at the next tick of a timer started by an older one;
+    never before."""
+    import time
+
+    from sharexec import _warm
+
+    idle = 2.0
+    pool = _warm.SegmentPool(limit=1 << 20, idle_seconds=idle)
+    pool.put(_tracking.new_shared(8192))  # the pool's timer starts now
+    time.sleep(idle / 2)  # the scenario: a second use, halfway to the first one's end
+    second = _tracking.new_shared(8192)
+    name = second.name
+    pool.put(second)
+    put_at = time.monotonic()
+    del second
+    deadline = put_at + 3 * idle
+    while name in segments_now() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    freed_after = time.monotonic() - put_at
+    try:
+        assert idle <= freed_after <= idle + 0.5, f"freed {freed_after:.2f} s after its use"
+    finally:
+        pool.close()
