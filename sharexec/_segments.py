@@ -59,6 +59,7 @@ __all__ = [
     "removals",
     "unlink",
     "written",
+    "zero_from",
 ]
 
 PREFIX = "sharexec-"
@@ -282,6 +283,18 @@ def create(size: int, name: str, content: Content | None = None) -> Mapping:
         raise
     finally:
         os.close(fd)
+
+
+def zero_from(mapping: Mapping, start: int) -> None:
+    """Zero the bytes of ``mapping`` from ``start`` to its end.
+
+    For a segment served again (a pooled one, a lent one) with new content of ``start``
+    bytes: whoever maps it can reach all of it (an array's ``.base``, a worker's mapping
+    of the whole segment), and must never read the bytes it held before. A memset, at
+    memory speed (the pages of a warm segment are mapped already), without the GIL.
+    """
+    if start < len(mapping):
+        ctypes.memset(mapping.address + start, 0, len(mapping) - start)
 
 
 def _write(fd: int, offset: int, data: memoryview) -> None:
