@@ -312,8 +312,8 @@ def examine() -> list[Finding]:
         findings.append(
             Finding(
                 "kept segments",
-                f"{len(kept)} unused here ({_size(total)}), not ours to judge, never "
-                f"removed: {why}: {_names([name for name, _ in kept])}",
+                f"{len(kept)} ({_size(total)}) not ours to judge, kept: {why} "
+                f"({_names([name for name, _ in kept])})",
                 "ok",
             )
         )
