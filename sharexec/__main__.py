@@ -11,7 +11,8 @@ demo
 doctor
     Report the platform, the shared-memory folder and its free space, invalid or unknown
     ``SHAREXEC_*`` variables, the start methods and any stale segments (the facts come
-    from ``_doctor``); ``--clean`` removes those.
+    from ``_doctor``); ``--clean`` removes those, and names each segment it keeps that
+    it cannot judge (another PID namespace's), with the reason.
 
 ``--version`` prints sharexec's version. A mistake of the user's (a bad size, a bad
 variable) is one line on stderr and exit code 2, never a traceback.
@@ -84,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Report what sharexec finds on this machine, and what to fix.",
     )
     doctor.add_argument(
-        "--clean", action="store_true", help="remove segments left by dead processes"
+        "--clean",
+        action="store_true",
+        help="remove segments left by processes surely dead; keep (and name) the rest",
     )
     return parser
 
@@ -93,8 +96,11 @@ def _doctor(clean: bool) -> int:
     from ._doctor import examine, remove_stale
 
     if clean:
-        for name in remove_stale():
+        found = remove_stale()
+        for name, _ in found.stale:
             print(f"removed {name}")
+        for name, _, why in found.kept:
+            print(f"kept {name}: {why}")
     findings = examine()
     width = max(len(f.topic) for f in findings)
     for f in findings:

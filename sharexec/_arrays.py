@@ -10,7 +10,8 @@ that no other process may still see goes to the process's pool of warm segments
 (:data:`recycling`), and the next allocation of a size it fits is that segment, zeroed (or
 filled) at memory speed instead of paying fresh page faults. Never another array's bytes:
 :func:`zeros` and :func:`empty` zero it, :func:`full` and :func:`share` overwrite every
-element.
+element, and the rest of the segment past the array (up to as much again) is zeroed:
+the array's ``.base`` reaches it, and so does a worker's mapping of the segment.
 
 Why a subclass: shared arrays must also travel by reference through
 :mod:`multiprocessing`'s own pickler (``Process`` arguments, ``Queue``, ``Pool``), whose
@@ -36,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 from loky.backend import reduction as loky_reduction
 
-from . import _tracking
+from . import _segments, _tracking
 from ._config import DEFAULT_MIN_SHARE_BYTES, Options
 from ._segments import Mapping
 from ._warm import SegmentPool, pool_limit
@@ -278,7 +279,8 @@ class Recycling:
     shared arrays are freed as before.
 
     Taken again by :meth:`take` for a size it fits (at most twice as big), it is zeroed
-    (or left for the caller to fill), so an array never shows another array's bytes.
+    (or, but for what lies past the new array, left for the caller to fill), so an array
+    never shows another array's bytes.
     """
 
     def __init__(self) -> None:
@@ -289,15 +291,17 @@ class Recycling:
         self._states: dict[int, _State] = {}
 
     def take(self, nbytes: int, filled: bool) -> np.ndarray | None:
-        """A holder of a warm segment for ``nbytes``, zeroed unless ``filled``; or None."""
+        """A holder of a warm segment for ``nbytes``, zeroed unless ``filled``; or None.
+
+        Zeroed past ``nbytes`` either way: the segment may be up to twice as big, and the
+        array's ``.base`` (the holder), like a worker's mapping, reaches all of it.
+        """
         pool = self._pool
         mapping = pool.take(nbytes) if pool is not None and nbytes else None
         if mapping is None:
             return None
-        holder = self.hold(mapping)
-        if not filled:
-            holder[:nbytes] = 0
-        return holder
+        _segments.zero_from(mapping, nbytes if filled else 0)
+        return self.hold(mapping)
 
     def hold(self, mapping: Mapping) -> np.ndarray:
         """The holder of a segment just allocated, whose collection frees it.

@@ -5,10 +5,14 @@ fallback folder, ``SHAREXEC_*`` variables that are invalid or unknown, start met
 stale segments left by dead processes) as :class:`Finding` records; only the command
 line prints them.
 
-A segment is *stale* when its creator is dead, no process maps it and it has not changed
-for a minute: a segment whose creator died is not enough (a worker's result handed to a
-parent that is still running, a shared array a dead worker made for a live parent), and
-``--clean`` must never remove another program's live data on a shared machine.
+A segment is *stale* when its creator is surely dead, no process maps it and it has not
+changed for a minute: a segment whose creator died is not enough (a worker's result
+handed to a parent that is still running, a shared array a dead worker made for a live
+parent), and ``--clean`` must never remove another program's live data on a shared
+machine. A pid says which process only within its PID namespace, and programs in
+several namespaces may share one ``/dev/shm`` (a container run with ``--ipc=host``, a
+sidecar): a segment's name says its creator's namespace, and a creator is judged only
+from that namespace. The others are kept, and the report says why (:func:`survey`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from . import _segments
 from ._config import Options, check_variables, describe_unknown, unknown_variables
 from .errors import ConfigError
 
-__all__ = ["Finding", "examine", "remove_stale", "stale_segments", "variable_findings"]
+__all__ = [
+    "Finding",
+    "Survey",
+    "examine",
+    "remove_stale",
+    "stale_segments",
+    "survey",
+    "variable_findings",
+]
 
 # Below this, /dev/shm is too small for the arrays sharexec is meant for (Docker's
 # default is 64 MB): segments then spill to disk.
@@ -71,36 +83,143 @@ def mapped_segments() -> set[str]:
     return found
 
 
-def stale_segments() -> list[tuple[str, int]]:
-    """sharexec segments whose creating process is dead, that no process maps and that
-    have not changed for ``STALE_AFTER_SECONDS``, with their sizes."""
-    found = []
+# The machine's initial PID namespace (``PROC_PID_INIT_INO`` in Linux's
+# include/linux/proc_ns.h): every PID namespace is nested in it.
+INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+
+
+@dataclass(frozen=True)
+class Survey:
+    """The segments of this user that nothing visibly uses: those whose creator is
+    known dead (``stale``: name and size, e.g. ``[("sharexec-41-4026531836.Zm9v",
+    4096)]``), and those whose creator cannot be judged from here (``kept``: name, size
+    and why)."""
+
+    stale: list[tuple[str, int]]
+    kept: list[tuple[str, int, str]]
+
+
+class _Here:
+    """What this process can tell of the processes of the machine, read once."""
+
+    def __init__(self) -> None:
+        self.namespace = _segments.pid_namespace()
+        # /proc may be another namespace's (``unshare --pid`` without ``--mount-proc``, a
+        # container given the host's): then its pids are not the ones names carry.
+        try:
+            self.proc_is_ours = os.readlink("/proc/self") == str(os.getpid())
+        except OSError:
+            self.proc_is_ours = False
+        self._alone: bool | None = None
+
+    def cannot_judge(self, namespace: int | None) -> str | None:
+        """Why the liveness of a creator of PID namespace ``namespace`` (None: its name
+        does not say) cannot be told from here; None if it can."""
+        if self.namespace is None or not self.proc_is_ours:
+            return (
+                "this process cannot see its own PID namespace's processes (mount its "
+                "/proc, e.g. `unshare --pid --fork --mount-proc`)"
+            )
+        if namespace is None:
+            if self.alone():
+                return None
+            return (
+                "named by an older sharexec, without its creator's PID namespace; only "
+                "a doctor in the machine's first PID namespace, with no other in sight, "
+                "can judge it"
+            )
+        if namespace != self.namespace:
+            return (
+                f"made in PID namespace pid:[{namespace}], not this one "
+                f"(pid:[{self.namespace}]): its creator may be alive there; "
+                "run the doctor in that namespace to judge it"
+            )
+        return None
+
+    def alone(self) -> bool:
+        """Whether every process of the machine is in this PID namespace: then a pid
+        that names no process here names no process anywhere."""
+        if self._alone is None:
+            self._alone = self.namespace == INITIAL_PID_NAMESPACE and not _nested_in_sight()
+        return self._alone
+
+
+def _nested_in_sight() -> bool:
+    """Whether any process in sight lives in a PID namespace nested in this one (or
+    whether that cannot be told): its ``NSpid`` has more than one pid."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                line = next((line for line in f if line.startswith("NSpid:")), None)
+        except OSError:  # gone
+            continue
+        if line is None or len(line.split()) != 2:
+            return True  # nested, or a kernel that does not say (before Linux 4.1)
+    return False
+
+
+def survey() -> Survey:
+    """The segments of this user that no process in sight maps and that have not
+    changed for ``STALE_AFTER_SECONDS``, whose creator is not alive here.
+
+    Stale: the name says a PID namespace, it is this process's, and no process has its
+    pid (an older name, without one: the same where no other namespace is in sight from
+    the machine's first). A pid in use keeps a segment, even if it is another process's
+    since. Kept, and said why: a segment made in another PID namespace (its creator may
+    be alive there, out of sight: a container sharing ``/dev/shm``), or named by an older
+    sharexec without one, or any when ``/proc`` is not this namespace's.
+    """
+    stale: list[tuple[str, int]] = []
+    kept: list[tuple[str, int, str]] = []
     mapped: set[str] | None = None
+    here: _Here | None = None
     now = time.time()
     for name in _segments.listdir():
-        pid = name.split("-")[1]
-        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+        made = _segments.creator(name)
+        if made is None:
             continue
-        path = os.path.join(_segments.SHM_FOLDER, name)
+        pid, namespace = made
         try:
-            st = os.stat(path)
+            st = os.stat(os.path.join(_segments.SHM_FOLDER, name))
         except FileNotFoundError:
             continue
         if st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_SECONDS:
             continue
+        if here is None:
+            here = _Here()
+        why = here.cannot_judge(namespace)
+        if why is None and os.path.exists(f"/proc/{pid}"):
+            continue  # its creator is alive, or its pid is another process's since
         if mapped is None:
             mapped = mapped_segments()
-        if name not in mapped:
-            found.append((name, st.st_size))
+        if name in mapped:
+            continue
+        if why is None:
+            stale.append((name, st.st_size))
+        else:
+            kept.append((name, st.st_size, why))
+    return Survey(stale, kept)
+
+
+def stale_segments() -> list[tuple[str, int]]:
+    """sharexec segments whose creating process is surely dead, that no process maps and
+    that have not changed for ``STALE_AFTER_SECONDS``, with their sizes (see
+    :func:`survey`)."""
+    return survey().stale
+
+
+def remove_stale() -> Survey:
+    """Unlink the stale segments; return what was found (removed: ``stale``)."""
+    found = survey()
+    for name, _ in found.stale:
+        _segments.unlink(name)
     return found
 
 
-def remove_stale() -> list[str]:
-    """Unlink the stale segments; return their names."""
-    names = [name for name, _ in stale_segments()]
-    for name in names:
-        _segments.unlink(name)
-    return names
+def _names(names: list[str]) -> str:
+    return f"{', '.join(names[:5])}{' …' if len(names) > 5 else ''}"
 
 
 def variable_findings() -> list[Finding]:
@@ -171,19 +290,31 @@ def examine() -> list[Finding]:
     )
     methods = multiprocessing.get_all_start_methods()
     findings.append(Finding("start methods", ", ".join([*methods, "loky"]), "ok"))
-    stale = stale_segments()
-    if stale:
-        total = sum(size for _, size in stale)
+    found = survey()
+    if found.stale:
+        total = sum(size for _, size in found.stale)
         findings.append(
             Finding(
                 "stale segments",
-                f"{len(stale)} left by dead processes ({_size(total)}): "
-                f"{', '.join(name for name, _ in stale[:5])}"
-                f"{' …' if len(stale) > 5 else ''}; remove them with "
+                f"{len(found.stale)} left by dead processes ({_size(total)}): "
+                f"{_names([name for name, _ in found.stale])}; remove them with "
                 "`python -m sharexec doctor --clean`",
                 "warning",
             )
         )
     else:
         findings.append(Finding("stale segments", "none", "ok"))
+    reasons: dict[str, list[tuple[str, int]]] = {}
+    for name, size, why in found.kept:
+        reasons.setdefault(why, []).append((name, size))
+    for why, kept in reasons.items():
+        total = sum(size for _, size in kept)
+        findings.append(
+            Finding(
+                "kept segments",
+                f"{len(kept)} ({_size(total)}) not ours to judge, kept: {why} "
+                f"({_names([name for name, _ in kept])})",
+                "ok",
+            )
+        )
     return findings

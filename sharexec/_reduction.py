@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _tracking
+from . import _segments, _tracking
 from ._arrays import SharedArray, byte_bounds, rebuild_view, reduce_shared
 from ._config import Options
 from ._segments import Mapping
@@ -229,7 +229,7 @@ class Pass:
         Fresh shared pages cost far more than reading strided memory, so copying half
         the bytes beats a memcpy of the whole span. The copy keeps ``a``'s axis order.
         """
-        mapping = self.sink.segment(a.nbytes)
+        mapping = self.sink.segment_for(a.nbytes)
         if mapping is None:
             return None  # numpy pickles it
         self.sink.count("bytes_copied", a.nbytes)
@@ -405,12 +405,25 @@ class Sink:
     def place(self, raw: memoryview, low: int) -> Mapping | None:
         """The segment that will hold the bytes ``raw`` (at address ``low``), copied into
         it; None if none can be had (they are pickled)."""
-        mapping = self.segment(raw.nbytes)
+        mapping = self.segment_for(raw.nbytes)
         if mapping is None:
             return None
         self.count("bytes_copied", raw.nbytes)
         target = np.frombuffer(mapping, np.uint8, raw.nbytes)
         self.copy(target, np.frombuffer(raw, np.uint8))
+        return mapping
+
+    def segment_for(self, size: int) -> Mapping | None:
+        """A segment (:meth:`segment`) to copy ``size`` bytes into, every byte past them
+        zero; None when none can be had.
+
+        A warm or lent segment may be up to twice as big, and held other bytes before:
+        the receiver maps all of it, and reaches all of it through the array's ``.base``.
+        A fresh one has nothing past ``size``.
+        """
+        mapping = self.segment(size)
+        if mapping is not None:
+            _segments.zero_from(mapping, size)
         return mapping
 
     def segment(self, size: int) -> Mapping | None:

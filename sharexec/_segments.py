@@ -9,9 +9,13 @@ only the sweeper process (:mod:`sharexec._sweeper`, freeing what dead processes 
 and ``doctor --clean`` (stale segments of dead processes) call :func:`unlink`.
 
 Platform: POSIX shared memory (``shm_open``), that is ``/dev/shm`` on Linux. Names are
-``sharexec-<pid>-<random>``: a fixed prefix so stale segments can be found, the creating
-process's id, and 72 random bits, so they cannot be guessed; at most 30 characters with
-the leading slash, inside macOS's limit of 31.
+``sharexec-<pid>-<namespace>.<random>``: a fixed prefix so stale segments can be found,
+the creating process's id and, on Linux, its PID namespace (the inode number of
+``/proc/self/ns/pid``: a pid means a process only within its namespace, and programs in
+two namespaces may share one ``/dev/shm``), and 72 random bits, so they cannot be
+guessed. Where there are no PID namespaces (macOS) the name is ``sharexec-<pid>-<random>``,
+at most 30 characters with the leading slash, inside macOS's limit of 31;
+:func:`creator` reads both (older versions of sharexec wrote the short form on Linux too).
 
 A name that is an absolute path is a *file-backed* segment instead: a file (mode 0600) in
 a private folder (mode 0700) on disk, the fallback when shared memory is full or missing.
@@ -45,14 +49,17 @@ __all__ = [
     "Mapping",
     "attach",
     "create",
+    "creator",
     "existing",
     "listdir",
     "new_folder",
     "new_name",
+    "pid_namespace",
     "populate",
     "removals",
     "unlink",
     "written",
+    "zero_from",
 ]
 
 PREFIX = "sharexec-"
@@ -81,11 +88,50 @@ def _check_platform() -> None:
 
 
 def new_name() -> str:
-    """A fresh, unguessable segment name."""
+    """A fresh, unguessable segment name, saying which process makes it."""
     # What secrets.token_urlsafe(9) does, without the hashlib and OpenSSL that importing
     # secrets loads in every worker (a few ms of each start-up).
     token = base64.urlsafe_b64encode(os.urandom(9)).rstrip(b"=").decode()
-    return f"{PREFIX}{os.getpid()}-{token}"
+    namespace = pid_namespace()
+    if namespace is None:
+        return f"{PREFIX}{os.getpid()}-{token}"
+    return f"{PREFIX}{os.getpid()}-{namespace}.{token}"
+
+
+# This process's PID namespace, with the pid it was read in, e.g. (4711, 4026531836): a
+# forked child reads its own (a child forked after ``unshare(CLONE_NEWPID)`` is in another).
+_namespace: tuple[int, int | None] = (0, None)
+
+
+def pid_namespace() -> int | None:
+    """This process's PID namespace: the inode number of ``/proc/self/ns/pid``, the
+    ``4026531836`` of ``pid:[4026531836]``; None where there is none to read (not Linux,
+    no ``/proc``)."""
+    global _namespace
+    pid = os.getpid()
+    if _namespace[0] != pid:
+        try:
+            inode: int | None = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            inode = None
+        _namespace = (pid, inode)
+    return _namespace[1]
+
+
+def creator(name: str) -> tuple[int, int | None] | None:
+    """Who made the segment ``name`` (see :func:`new_name`): its pid and PID namespace,
+    the namespace None if the name does not say (made where there is none, or by an
+    older sharexec); None if ``name`` is no sharexec segment name."""
+    if not name.startswith(PREFIX):
+        return None
+    pid, _, rest = name[len(PREFIX) :].partition("-")
+    if not pid.isdigit() or not rest:
+        return None
+    # The random part never holds a dot: one after digits ends the namespace.
+    namespace, dot, token = rest.partition(".")
+    if dot and namespace.isdigit() and token:
+        return int(pid), int(namespace)
+    return int(pid), None
 
 
 def _map(fd: int, name: str, size: int, private: bool, populate: bool = False) -> Mapping:
@@ -237,6 +283,18 @@ def create(size: int, name: str, content: Content | None = None) -> Mapping:
         raise
     finally:
         os.close(fd)
+
+
+def zero_from(mapping: Mapping, start: int) -> None:
+    """Zero the bytes of ``mapping`` from ``start`` to its end.
+
+    For a segment served again (a pooled one, a lent one) with new content of ``start``
+    bytes: whoever maps it can reach all of it (an array's ``.base``, a worker's mapping
+    of the whole segment), and must never read the bytes it held before. A memset, at
+    memory speed (the pages of a warm segment are mapped already), without the GIL.
+    """
+    if start < len(mapping):
+        ctypes.memset(mapping.address + start, 0, len(mapping) - start)
 
 
 def _write(fd: int, offset: int, data: memoryview) -> None:

@@ -846,3 +846,82 @@ def test_executors_dropped_without_shutdown_keep_no_segment(start_method, no_lea
     if outlived:
         faults_plugin.crashed("workers outlived their collected executor")
     assert not outlived, "workers outlived their collected executor"
+
+
+# ---------------------------------------------------------------------------------------
+# doctor --clean from another PID namespace that shares /dev/shm
+# ---------------------------------------------------------------------------------------
+
+# Runs in a new PID namespace: a process there makes a segment and dies (its segment,
+# unchanged for an hour, is stale), then the doctor cleans from there.
+IN_ANOTHER_NAMESPACE = """
+import os, subprocess, sys, time
+from sharexec import _segments
+
+pid = os.fork()
+if pid == 0:
+    name = _segments.new_name()
+    _segments.create(4096, name).close()
+    hour_ago = time.time() - 3600
+    os.utime(os.path.join(_segments.SHM_FOLDER, name), (hour_ago, hour_ago))
+    print("dead", name, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+sys.exit(subprocess.run([sys.executable, "-m", "sharexec", "doctor", "--clean"]).returncode)
+"""
+
+
+def in_new_pid_namespace() -> list[str]:
+    """The command that runs a program in a new PID namespace with its own /proc (and
+    the same /dev/shm); skips the test where the system refuses one."""
+    command = ["unshare", "--pid", "--fork", "--mount-proc"]
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare command (util-linux)")
+    if os.geteuid() != 0:
+        command[1:1] = ["--user", "--map-root-user"]  # a user namespace of one's own
+    probe = subprocess.run([*command, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.strip()}")
+    return command
+
+
+@pytest.mark.timeout(60)
+def test_doctor_in_another_pid_namespace_keeps_a_live_array(tmp_path, no_leaks):
+    """A live shared array, unwritten for an hour and mapped only by its creator (out of
+    sight of another PID namespace), is kept by ``doctor --clean`` run there and stays
+    usable; a segment whose creator died in the doctor's own namespace is removed."""
+    import time
+
+    import numpy as np
+    import workers
+
+    from sharexec import _arrays, _segments, _tracking
+
+    command = in_new_pid_namespace()
+    a = sharexec.full(1 << 17, 7.0)  # 1 MiB
+    found = _tracking.find_shared(*_arrays.byte_bounds(a))
+    assert found is not None
+    live = found[0].name
+    hour_ago = time.time() - 3600
+    os.utime(os.path.join(_segments.SHM_FOLDER, live), (hour_ago, hour_ago))
+    script = tmp_path / "doctor.py"
+    script.write_text(IN_ANOTHER_NAMESPACE)
+    run = subprocess.run(
+        [*command, sys.executable, str(script)], capture_output=True, text=True, timeout=50
+    )
+    dead = next(line.split()[1] for line in run.stdout.splitlines() if line.startswith("dead "))
+    try:
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert live in _segments.listdir(), run.stdout
+        assert f"removed {live}" not in run.stdout
+        here = _segments.pid_namespace()
+        assert f"kept {live}: made in PID namespace pid:[{here}], not this one" in run.stdout
+        assert "not ours to judge" in run.stdout  # the summary line
+        assert f"removed {dead}" in run.stdout
+        assert dead not in _segments.listdir()
+        with sharexec.SharedProcessPoolExecutor(1) as ex:  # the array still serves
+            assert ex.submit(workers.total, a).result() == 7.0 * (1 << 17)
+        assert np.all(a == 7.0)
+    finally:
+        _segments.unlink(dead)
+        del a

@@ -109,10 +109,12 @@ def test_segments_are_logged_and_nothing_printed(executor, caplog, capsys):
     assert out.out == "" and out.err == ""
 
 
-def _fake_name(what: str) -> str:
-    """A segment name of no live process (a pid above Linux's pid_max default), unique to
-    this test run: another checkout's suite may run the same test at the same time."""
-    return f"sharexec-4194304-{what}{os.getpid()}x{secrets.token_hex(4)}"
+def _fake_name(what: str, pid: int = 4_194_304) -> str:
+    """A segment name made in this PID namespace by ``pid`` (by default none: a pid above
+    Linux's pid_max default), unique to this test run: another checkout's suite may run
+    the same test at the same time."""
+    here = _segments.pid_namespace()
+    return f"sharexec-{pid}-{here}.{what}{os.getpid()}x{secrets.token_hex(4)}"
 
 
 def test_doctor_reports_and_cleans_stale_segments(no_leaks):
@@ -145,18 +147,66 @@ def test_doctor_reports_and_cleans_stale_segments(no_leaks):
 
 def test_doctor_never_calls_stale_what_may_still_be_used(no_leaks):
     """A dead creator is not enough: another program on the machine may still use the
-    segment (a parent holding a result its dead worker made), or hand it over now."""
+    segment (a parent holding a result its dead worker made), or hand it over now. And
+    a pid in use keeps a segment, even if its creator is dead and a process that got its
+    pid since runs: that cannot be told apart from its creator alive."""
     from sharexec._doctor import stale_segments
 
     recent = _fake_name("recent")  # just made: may be in flight
     mapped = _segments.create(4096, _fake_name("mapped"))  # a live process maps it
+    reused = _fake_name("reused", pid=1)  # as if its creator had had init's pid
     _segments.create(4096, recent).close()
+    _segments.create(4096, reused).close()
     hour_ago = time.time() - 3600
-    os.utime(os.path.join(_segments.SHM_FOLDER, mapped.name), (hour_ago, hour_ago))
+    for name in (mapped.name, reused):
+        os.utime(os.path.join(_segments.SHM_FOLDER, name), (hour_ago, hour_ago))
     try:
         names = {name for name, _ in stale_segments()}
-        assert recent not in names and mapped.name not in names
+        assert recent not in names and mapped.name not in names and reused not in names
     finally:
-        _segments.unlink(recent)
-        _segments.unlink(mapped.name)
+        for name in (recent, mapped.name, reused):
+            _segments.unlink(name)
         mapped.close()
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "not-alone"])
+def test_doctor_judges_an_older_name_only_with_no_other_pid_namespace_in_sight(
+    alone, monkeypatch, no_leaks
+):
+    """A name of an older sharexec says no PID namespace: its pid means a process only
+    where every process of the machine is in sight and in one namespace."""
+    from sharexec import _doctor
+
+    monkeypatch.setattr(_doctor, "INITIAL_PID_NAMESPACE", _segments.pid_namespace())
+    monkeypatch.setattr(_doctor, "_nested_in_sight", lambda: not alone)
+    for _attempt in range(3):  # another program's doctor may remove it first
+        old = f"sharexec-4194304-older{os.getpid()}x{secrets.token_hex(4)}"
+        _segments.create(4096, old).close()
+        hour_ago = time.time() - 3600
+        os.utime(os.path.join(_segments.SHM_FOLDER, old), (hour_ago, hour_ago))
+        try:
+            found = _doctor.survey()
+        finally:
+            _segments.unlink(old)
+        stale = [name for name, _ in found.stale]
+        kept = {name: why for name, _, why in found.kept}
+        if old not in stale and old not in kept:
+            continue
+        if alone:
+            assert old in stale
+        else:
+            assert old not in stale and "named by an older sharexec" in kept[old]
+        return
+    pytest.fail("three segments in a row were removed by another program first")
+
+
+def test_segment_names_say_their_creator_and_its_pid_namespace():
+    name = _segments.new_name()
+    here = os.stat("/proc/self/ns/pid").st_ino
+    assert name.startswith(f"sharexec-{os.getpid()}-{here}.")
+    assert _segments.creator(name) == (os.getpid(), here)
+    # an older sharexec's name (its random part may hold "-" but never "."): no namespace
+    assert _segments.creator("sharexec-41-Zm9v-YmFy_123") == (41, None)
+    assert _segments.creator("sharexec-41-4026531836.Zm9v-YmFy") == (41, 4026531836)
+    assert _segments.creator("sharexec-sweeper-x") is None
+    assert _segments.creator("other-41-x") is None

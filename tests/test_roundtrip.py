@@ -512,3 +512,57 @@ def test_array_over_4_gib(executor):
     assert got["marks"] == marks and got["sum"] == total and got["crc"] == patch_crc
     assert got["tail_crc"] == zlib.crc32(np.ascontiguousarray(private[-1000:]))
     assert_exact(got["back"], rc.patch())
+
+
+# ---------------------------------------------------------------------------------------
+# Never another array's bytes
+# ---------------------------------------------------------------------------------------
+
+MARK = 0xA5  # the bytes of an array freed before
+
+
+@pytest.mark.parametrize(
+    "allocate",
+    [
+        lambda n: sharexec.empty(n, np.uint8),
+        lambda n: sharexec.full(n, 1, np.uint8),
+        lambda n: sharexec.share(np.ones(n, np.uint8)),
+    ],
+    ids=["empty", "full", "share"],
+)
+def test_a_warm_shared_array_never_shows_a_freed_arrays_bytes(executor, allocate):
+    """A shared array served from a freed one's segment, larger than it needs: no byte
+    of the segment reachable through it (``.base``), here or in a worker given it by
+    reference, is the freed array's."""
+    old = sharexec.full(1_000_000, MARK, np.uint8)
+    name = workers._mapping_of(old).name
+    del old
+    gc.collect()
+    new = allocate(700_000)
+    assert workers._mapping_of(new).name == name  # served from the freed one's segment
+    assert len(workers.in_reach(new)) == 1_000_000
+    assert np.count_nonzero(workers.in_reach(new) == MARK) == 0
+    assert executor.submit(workers.marks_in_reach, new, MARK).result() == (0, name)
+
+
+def test_a_warm_copy_or_result_never_shows_an_earlier_ones_bytes(executor):
+    """The executor's warm segments, lent for a result or served again for an argument's
+    copy smaller than they are: no byte the parent or a worker can reach through the new
+    array is the earlier one's."""
+    result = executor.submit(workers.marked, 1_000_000, MARK).result()
+    lent = workers._mapping_of(result).name
+    del result
+    gc.collect()
+    assert executor._transport.pooled() == [lent]
+    result = executor.submit(workers.marked, 700_000, 1).result()
+    assert workers._mapping_of(result).name == lent  # written into the lent segment
+    assert np.count_nonzero(workers.in_reach(result) == MARK) == 0
+    del result
+    first = workers.marked(1_000_000, MARK)
+    marks, copy = executor.submit(workers.marks_in_reach, first, MARK).result()
+    assert marks == 1_000_000
+    del first
+    gc.collect()
+    assert copy in executor._transport.pooled()
+    got = executor.submit(workers.marks_in_reach, np.ones(700_000, np.uint8), MARK).result()
+    assert got == (0, copy)  # served from the pool, nothing of the earlier copy

@@ -1,9 +1,10 @@
 """Security: unguessable names, private modes, a private sweeper.
 
-* Segment names are ``sharexec-<pid>-<random>``, the random part 12 characters of the
-  URL-safe base64 alphabet (72 bits) from the operating system's CSPRNG: 1,000 names are
-  all distinct, use the whole alphabet, and do not repeat after seeding Python's or
-  NumPy's generators, nor in a forked child.
+* Segment names are ``sharexec-<pid>-<namespace>.<random>`` (the creator's PID namespace;
+  none where there is none), the random part 12 characters of the URL-safe base64
+  alphabet (72 bits) from the operating system's CSPRNG: 1,000 names are all distinct,
+  use the whole alphabet, and do not repeat after seeding Python's or NumPy's
+  generators, nor in a forked child.
 * Segments in /dev/shm are created with mode 0600, whatever the umask (the tests run with
   umask 0, so a mode asked for wider would show): a shared array's, the copy of an
   argument while a task holds it (stat-ed by the worker), a result's (stat-ed by the
@@ -43,7 +44,7 @@ ALPHABET = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_
 
 
 def random_part(name: str) -> str:
-    prefix = f"{_segments.PREFIX}{os.getpid()}-"
+    prefix = f"{_segments.PREFIX}{os.getpid()}-{_segments.pid_namespace()}."
     assert name.startswith(prefix), name
     return name[len(prefix) :]
 
@@ -83,7 +84,8 @@ def test_names_are_random_and_unguessable():
     parts = [random_part(n) for n in names]
     assert len(set(names)) == 1000
     assert all(RANDOM_PART.fullmatch(p) for p in parts), parts[:5]
-    # macOS's limit on a name (31 with the leading slash) holds for any Linux pid
+    # macOS's limit on a name (31 with the leading slash; no PID namespace there) holds
+    # for any pid
     longest = f"/{_segments.PREFIX}{4_194_304}-{parts[0]}"
     assert len(longest) <= 31, longest
     # 12,000 characters: each of the 64 symbols appears, in every position of the name

@@ -56,6 +56,28 @@ def _mapping_of(a: np.ndarray) -> Any:
     return base.obj if isinstance(base, memoryview) else base
 
 
+def in_reach(a: np.ndarray) -> np.ndarray:
+    """Every byte this process can read through ``a``: its base's whole buffer (for an
+    array in a segment, the whole mapping of the segment)."""
+    base: Any = a
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    if base.base is None:
+        return np.asarray(base).view(np.uint8).reshape(-1)
+    return np.frombuffer(base.base, np.uint8)
+
+
+def marks_in_reach(a: np.ndarray, mark: int) -> tuple[int, str]:
+    """How many bytes this process can read through ``a`` are ``mark``, and the name
+    of the segment ``a`` lies in."""
+    return int(np.count_nonzero(in_reach(a) == mark)), _mapping_of(a).name
+
+
+def marked(n: int, mark: int) -> np.ndarray:
+    """A fresh private array of ``n`` bytes, each ``mark``."""
+    return np.full(n, mark, dtype=np.uint8)
+
+
 def tag_and_sum(a: np.ndarray, write_at: int | None = None) -> tuple[float, int]:
     """The sum of ``a`` (after writing 7 at ``write_at``, if given), and a number that
     names the mapping it lies in: the same number, the same mapping kept and reused."""
