@@ -592,7 +592,7 @@ def test_no_room_anywhere_falls_back_to_pickling(start_method, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# Issue 17: the faults a long-running program meets
+# The faults a long-running program meets
 # ---------------------------------------------------------------------------------------
 
 
