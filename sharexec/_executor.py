@@ -167,12 +167,6 @@ class SharedProcessPoolExecutor(LokyExecutor):
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self._transport = Transport(self._options)
-        # Its pool of warm segments goes at shutdown, or as soon as this object is
-        # collected if it never was (dropped, as a standard library executor may be,
-        # whose workers then exit and which holds nothing): not when the pool's idle
-        # timer would fire. The calls still in flight keep their own segments; what
-        # comes back to the closed pool is dropped.
-        self._close_transport = weakref.finalize(self, self._transport.close)
         # Every worker runs run_initializer: it watches this process (and exits with it),
         # then runs the user's initializer, whose call is shared like a task's, pickled at
         # each worker start: it lives as long as the executor.
@@ -206,6 +200,15 @@ class SharedProcessPoolExecutor(LokyExecutor):
             env=self._worker_env,
             max_tasks_per_child=max_tasks_per_child,
             batching=batching,
+        )
+        # Its pool of warm segments and the initializer's copies go at shutdown, or as
+        # soon as this object is collected if it never was (dropped, as a standard
+        # library executor may be, whose workers then exit and which holds nothing): not
+        # when the pool's idle timer fires, nor when the garbage collector next breaks
+        # the cycles the transport is in. The calls still in flight keep their own
+        # segments; what comes back to the closed pool is dropped.
+        self._close_transport = weakref.finalize(
+            self, _close_transport, self._transport, self._init_task, self._pending_work_items
         )
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -333,36 +336,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
         if cancel_futures:
             self._cancel_pending()  # and the calls a worker hands back later
         super().shutdown(wait=wait)
-        self._close_transport()
-        if self._init_task is not None:
-            if wait:
-                self._init_task.release()
-            else:
-                self._release_init_task_when_done(self._pending_futures())
-
-    def _release_init_task_when_done(self, pending: list[Future[Any]]) -> None:
-        """Release the initializer's call (its copies) once these calls are done.
-
-        Shut down, the pool starts a worker (which needs it) only to replace one while
-        calls are pending: none is, after the last of them. Not before: that would keep
-        its copies in /dev/shm for as long as this object lives.
-        """
-        task = self._init_task
-        assert task is not None
-        left = [len(pending)]
-        lock = threading.Lock()
-
-        def one_done(_: Future[Any]) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                task.release()
-
-        if not pending:
-            task.release()
-        for future in pending:
-            future.add_done_callback(one_done)  # at once if it is done already
+        self._close_transport()  # with wait, no call is pending any more
 
     def terminate_workers(self) -> None:
         """Terminate every live worker now (SIGTERM), and shut the executor down.
@@ -394,6 +368,37 @@ class SharedProcessPoolExecutor(LokyExecutor):
                     os.kill(process.pid, signum)  # loky's processes have no kill()
             except (ValueError, ProcessLookupError):  # closed, or gone meanwhile
                 continue
+
+
+def _close_transport(
+    transport: Transport, init_task: Task | None, pending: dict[int, Any]
+) -> None:
+    """An executor is shut down or collected: drop its pool of warm segments, and release
+    the initializer's call (its copies) once the calls ``pending`` (loky's work items, by
+    id) are done.
+
+    Shut down, the pool starts a worker (which needs the initializer's call) only to
+    replace one while calls are pending: none is, after the last of them. Not before:
+    that would keep its copies in /dev/shm for as long as the executor lives.
+    """
+    transport.close()
+    if init_task is None:
+        return
+    futures = [item.future for item in list(pending.values())]
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            init_task.release()
+
+    if not futures:
+        init_task.release()
+    for future in futures:
+        future.add_done_callback(one_done)  # at once if it is done already
 
 
 # ---------------------------------------------------------------------------------------

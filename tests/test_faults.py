@@ -834,8 +834,11 @@ def test_executors_dropped_without_shutdown_keep_no_segment(start_method, no_lea
 
     before = segments_now()
     pids = []
-    for _ in range(6):
-        ex = sharexec.SharedProcessPoolExecutor(1, mp_context=start_method)
+    for i in range(6):
+        # Half with an initializer given a large argument (copied, but for fork's),
+        # which its workers need as long as the executor may start one.
+        init = {"initializer": workers.total, "initargs": (np.ones(1 << 19),)} if i % 2 else {}
+        ex = sharexec.SharedProcessPoolExecutor(1, mp_context=start_method, **init)
         assert ex.submit(workers.total, np.ones(1 << 19)).result() == 1 << 19  # 4 MiB
         assert ex._transport.pooled(), "the finished task's copy should be pooled"
         pids += [p.pid for p in ex._pool_processes()]
