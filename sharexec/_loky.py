@@ -267,6 +267,23 @@ def _problems() -> list[str]:
         *_has(pe, "_RecycledWorkerPid", "_SafeQueue.__getstate__", "_SafeQueue.__setstate__"),
         *_has(mp_queues, "_sentinel", "Queue._finalize_close"),
         *_has(loky_queues, "SimpleQueue.put"),
+        # _setup_queues makes loky's queues as loky does, of our classes.
+        *_has(pe, "EXTRA_QUEUED_CALLS"),
+        *_takes(
+            pe,
+            "_SafeQueue.__init__",
+            "self",
+            "max_size",
+            "ctx",
+            "pending_work_items",
+            "running_work_items",
+            "thread_wakeup",
+            "shutdown_lock",
+            "executor_flags",
+            "reducers",
+        ),
+        *_takes(loky_queues, "SimpleQueue.__init__", "self", "reducers", "ctx"),
+        *_assigns(pe, "ProcessPoolExecutor", "_running_work_items", "_shutdown_lock", "_context"),
         *_assigns(
             pe,
             "_SafeQueue",
@@ -478,6 +495,9 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         )
         # Before any call is queued, so before the manager thread exists (it reads both
         # when it starts): a wake-up written only when none is pending, ids in a deque.
+        # A class swap, not a construction: loky's __init__ makes the wake-up inline (no
+        # hook), and hands it on to the queues _setup_queues makes (ours, below) before
+        # this line runs; the object stays the same, only its methods change.
         self._executor_manager_thread_wakeup.__class__ = _CoalescedWakeup
         self._work_ids = _WorkIds()
         # Whether the calls not started are cancelled (shutdown(cancel_futures=True)),
@@ -554,12 +574,25 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
     def _setup_queues(
         self, job_reducers: Any, result_reducers: Any, queue_size: int | None = None
     ) -> None:
-        super()._setup_queues(job_reducers, result_reducers, queue_size)
-        # Same queues, of our classes. Set before anything is put on them: the call
-        # queue's feeder thread starts at the first put.
-        self._call_queue.__class__ = _CallQueue
+        # loky's hook for its queues (its __init__ calls it): the queues loky makes, made
+        # of our classes, with loky's arguments and size.
+        if queue_size is None:
+            queue_size = 2 * self._max_workers + process_executor.EXTRA_QUEUED_CALLS
+        self._call_queue = _CallQueue(
+            max_size=queue_size,
+            pending_work_items=self._pending_work_items,
+            running_work_items=self._running_work_items,
+            thread_wakeup=self._executor_manager_thread_wakeup,
+            shutdown_lock=self._shutdown_lock,
+            executor_flags=self._flags,
+            reducers=job_reducers,
+            ctx=self._context,
+        )
+        # Killed workers make the feeder thread's pipe break: loky silences that, and
+        # detects the death itself.
+        self._call_queue._ignore_epipe = True
         self._call_queue.max_tasks = self._max_tasks_per_child
-        self._result_queue.__class__ = _ResultQueue
+        self._result_queue = _ResultQueue(reducers=result_reducers, ctx=self._context)
 
     def _adjust_process_count(self) -> None:
         # loky calls this (under _processes_management_lock) at a submit while the pool
@@ -621,6 +654,10 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             # Our manager from its next step on (its state set before its class: the
             # steps of _Manager read it). Until then it runs loky's steps: it sends
             # calls one by one, which a batch's outcome never needs to follow.
+            # A class swap, not a construction: loky's _start_executor_manager_thread
+            # makes and starts the thread inline (no hook for its class) and registers
+            # it in loky's globals for the exit handler, which a construction of ours
+            # would have to copy. Its attributes are those of loky's class.
             thread.policy = self._batching
             thread.carry = None
             thread.__class__ = _Manager
