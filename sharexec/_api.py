@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from typing import Any, TypeVar
 
-__all__ = ["Statistics", "batched", "check_map", "flatten", "results", "submit_future"]
+__all__ = ["Statistics", "map_calls", "submit_future"]
 
 E = TypeVar("E", bound=Executor)
 
@@ -91,6 +92,27 @@ class Statistics:
     tasks_done: int
     tasks_batched: int
     batches: int
+
+
+def map_calls(
+    executor: E,
+    iterables: tuple[Iterable[Any], ...],
+    timeout: float | None,
+    chunksize: int,
+    buffersize: int | None,
+    submit_one: Callable[[E, tuple[Any, ...]], Any],
+    run_chunk: Callable[..., list[Any]],
+) -> Iterator[Any]:
+    """``executor.map``: one call per item through ``submit_one(executor, items)``, or,
+    with a ``chunksize`` above 1, one call of ``run_chunk(chunk)`` per chunk of them,
+    submitted as :meth:`~concurrent.futures.Executor.submit` does."""
+    check_map(chunksize, buffersize)
+    calls = zip(*iterables, strict=False)  # to the shortest, as map()
+    if chunksize == 1:
+        return results(executor, submit_one, calls, timeout, buffersize)
+    chunks = ((chunk,) for chunk in batched(calls, chunksize))
+    submit_chunk = partial(submit_future, run_chunk)
+    return flatten(results(executor, submit_chunk, chunks, timeout, buffersize))
 
 
 def check_map(chunksize: int, buffersize: int | None) -> None:

@@ -78,7 +78,7 @@ import cloudpickle
 import numpy as np
 
 from . import _segments, _tracking, _worker
-from ._api import Statistics, batched, check_map, flatten, results, submit_future
+from ._api import Statistics, map_calls, submit_future
 from ._arrays import byte_bounds
 from ._config import Options
 from ._loky import remote_traceback
@@ -472,10 +472,6 @@ def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
     del slots
     _worker.kept.after_task(kept)  # unwritten and no view left: the next task reuses them
     return (*outcome, [c for c in changes if c[1] is not None])
-
-
-def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any]:
-    return [fn(*args) for args in chunk]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1197,13 +1193,9 @@ class ClusterExecutor(Executor):
             The results, in the order of the items. A call's exception is raised when its
             result is reached; closing the iterator cancels the calls not started.
         """
-        check_map(chunksize, buffersize)
-        calls = zip(*iterables, strict=False)  # to the shortest, as map()
-        if chunksize == 1:
-            return results(self, partial(submit_future, fn), calls, timeout, buffersize)
-        chunks = ((chunk,) for chunk in batched(calls, chunksize))
-        submit_chunk = partial(submit_future, partial(_run_chunk, fn))
-        return flatten(results(self, submit_chunk, chunks, timeout, buffersize))
+        submit_one = partial(submit_future, fn)
+        chunk = partial(_worker.run_chunk, fn)
+        return map_calls(self, iterables, timeout, chunksize, buffersize, submit_one, chunk)
 
     def statistics(self) -> Statistics:
         """What this executor sent to the cluster, and how: the fields of

@@ -58,7 +58,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from . import _tracking
-from ._api import Statistics, batched, check_map, flatten, results, submit_future
+from ._api import Statistics, map_calls
 from ._batching import Batching
 from ._cluster import ClusterExecutor, chosen
 from ._config import Options
@@ -313,18 +313,13 @@ class SharedProcessPoolExecutor(LokyExecutor):
             The results, in the order of the items. A call's exception is raised when its
             result is reached; closing the iterator cancels the calls not started.
         """
-        check_map(chunksize, buffersize)
-        calls = zip(*iterables, strict=False)  # to the shortest, as map()
-        if chunksize == 1:
-            # A call per item, submitted as it is, so that calls with plain arguments
-            # skip the pickling pass (see Transport.plain_call) and calls of a function
-            # measured short travel in batches; each with a slot, not a future (no user
-            # sees it: a tenth of a future's cost).
-            return results(self, partial(_submit_slot, _MapRun(), fn), calls, timeout, buffersize)
-        chunks = ((chunk,) for chunk in batched(calls, chunksize))
-        chunk_fn = partial(run_chunk, fn)
-        submit_chunk = partial(submit_future, chunk_fn)
-        return flatten(results(self, submit_chunk, chunks, timeout, buffersize))
+        # A call per item is submitted as it is, so that calls with plain arguments skip
+        # the pickling pass (see Transport.plain_call) and calls of a function measured
+        # short travel in batches; each with a slot, not a future (no user sees it: a
+        # tenth of a future's cost).
+        submit_one = partial(_submit_slot, _MapRun(), fn)
+        chunk = partial(run_chunk, fn)
+        return map_calls(self, iterables, timeout, chunksize, buffersize, submit_one, chunk)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Free the workers and the segments of the executor (without ``wait``, those of

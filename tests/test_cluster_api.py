@@ -18,15 +18,14 @@ import concurrent.futures
 import inspect
 import itertools
 import os
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import BrokenExecutor, CancelledError
 from concurrent.futures import process as futures_process
 from typing import Any
 
 import numpy as np
 import pytest
+from test_newest_api import Counted  # the same counting iterator
 
 import sharexec
 
@@ -228,24 +227,6 @@ def test_both_executors_have_the_same_methods_and_signatures():
     cluster = public_methods(sharexec.ClusterExecutor)
     assert local == cluster
     assert {"map", "statistics", "terminate_workers", "kill_workers"} <= set(cluster)
-
-
-class Counted:
-    """An iterator that counts the items taken from it."""
-
-    def __init__(self, items: Iterator[object]) -> None:
-        self.items = items
-        self.taken = 0
-        self.lock = threading.Lock()
-
-    def __iter__(self) -> Counted:
-        return self
-
-    def __next__(self) -> object:
-        item = next(self.items)
-        with self.lock:
-            self.taken += 1
-        return item
 
 
 @pytest.mark.parametrize(
