@@ -3,7 +3,7 @@
 A tiny call costs the pool far more than it runs: the stdlib spends about 100 µs per call
 on queues, pickles, pipes and thread switches, for a function that runs 1 µs. When calls
 queue up faster than the workers take them, the manager thread of the pool
-(``_loky._Manager``) may send several of them in one message, and their outcomes come
+(``_loky.batching._Manager``) may send several of them in one message, and their outcomes come
 back in one: what a message costs is then shared by its calls. This module decides
 which calls may go together; ``_loky`` moves them, ``_transport.Transport.reduce_batch``
 pickles them, ``_worker.run_batch`` runs them.

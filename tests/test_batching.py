@@ -301,7 +301,7 @@ def test_futures_sharing_a_lock_keep_the_standard_semantics():
     with pytest.raises(KeyError):
         b.result()
     assert isinstance(b.exception(), KeyError)
-    with pytest.raises(_loky.futures_base.InvalidStateError):
+    with pytest.raises(_loky.futures.futures_base.InvalidStateError):
         b.set_result(1)
     finished = []
     waiter = threading.Thread(target=lambda: finished.extend(as_completed([a, b], timeout=60)))
@@ -392,7 +392,7 @@ def test_the_feeder_drops_calls_already_done_and_fails_only_the_unpicklable():
     # waits in the feeder's buffer; the manager fails its futures and releases its
     # tasks; the feeder must then neither send them nor fail them again (a second
     # set_exception raised InvalidStateError in the feeder thread).
-    call = _loky.process_executor._CallItem
+    call = _loky.queues.process_executor._CallItem
     policy = _Policy()
     items = [
         call(0, workers.identity, (_Done(),), {}),  # done, alone
@@ -420,13 +420,13 @@ def test_the_feeder_drops_calls_already_done_and_fails_only_the_unpicklable():
         ),
         call(5, workers.identity, (threading.Lock(),), {}),  # fails alone, as before
     ]
-    buffer = deque([*items, _loky.mp_queues._sentinel])
+    buffer = deque([*items, _loky.queues.mp_queues._sentinel])
     sent: list[bytes] = []
     failed: list[tuple[type, int]] = []
     slots = threading.Semaphore(0)
     closed = threading.Event()
     feeder = threading.Thread(
-        target=_loky._feed,
+        target=_loky.queues._feed,
         args=(
             buffer,
             threading.Condition(),

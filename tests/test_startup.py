@@ -177,7 +177,7 @@ def test_shutdown_completes_calls_then_refuses_new_ones(start_method, no_leaks):
 
 
 def warm_server_pid() -> int | None:
-    pid: int | None = _loky._warm_server.server._forkserver_pid
+    pid: int | None = _loky.warm_server._warm_server.server._forkserver_pid
     return pid
 
 

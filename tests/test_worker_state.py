@@ -71,8 +71,8 @@ def old_state() -> None:
 
 def warm_server() -> tuple[int, str]:
     """The pid and socket file of sharexec's warm server, started if it is not."""
-    _loky._warm_server.start()
-    server = _loky._warm_server.server
+    _loky.warm_server._warm_server.start()
+    server = _loky.warm_server._warm_server.server
     return server._forkserver_pid, server._forkserver_address
 
 

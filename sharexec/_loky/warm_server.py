@@ -1,0 +1,320 @@
+"""sharexec's default start method: forks of a warm server.
+
+Replaces nothing of loky 3.7; it is a multiprocessing start method of its own, built on
+multiprocessing's forkserver: a second ``ForkServer`` (:class:`_WarmServer`, preloading
+:data:`WARM_PRELOAD`), whose ``Popen`` (:class:`_WarmPopen`) asks that server for each
+fork, sends the parent's state of the moment (environment, working directory, umask,
+ignored signals, signal mask) to be applied in the child first, and tells the child
+nothing of the main module. A server found dead is started again by the next fork
+request. Differs from multiprocessing's forkserver: a server of its own (a user's
+``set_forkserver_preload`` is not touched), NumPy preloaded, the parent's state of now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import threading
+from multiprocessing import connection as mp_connection
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver as mp_forkserver
+from multiprocessing import popen_forkserver as mp_popen_forkserver
+from multiprocessing import reduction as mp_reduction
+from multiprocessing import spawn as mp_spawn
+from multiprocessing import util as mp_util
+from typing import Any
+
+# What sharexec's server imports once, so that every worker forked from it starts warm:
+# the worker's side (loky's worker loop, cloudpickle, our queues) and the backward pass,
+# hence NumPy. Names only: this module imports none of them.
+WARM_PRELOAD = ("sharexec._worker", "sharexec._reduction")
+
+
+class _WarmServer:
+    """sharexec's own fork server: multiprocessing's ``ForkServer``, a second instance.
+
+    Not the module's global one, which belongs to the user (``mp_context="forkserver"``
+    and ``set_forkserver_preload`` keep their meaning). Started by the first warm
+    process, as multiprocessing starts its own (a fresh interpreter, fork + exec, so a
+    parent's threads are no hazard); its only thread is the main one (NumPy's OpenBLAS
+    joins its pool at fork), so each worker is a fork of a single-threaded process. It
+    exits when the last process holding its "alive" pipe (this one, its workers) has.
+
+    A server that dies (killed, out of memory) is started again, as the sweeper is:
+    multiprocessing starts another when it finds its server exited, and a fork request
+    that fails on the way (refused, or cut before the child's pid came back: the server
+    is dying) stops and reaps it, then asks a new one, once. Requests take turns (the
+    server forks one at a time anyway), so one restart serves all who noticed and no
+    request sends the pipe of a server another one just let go. Its workers live on:
+    none depends on it but for its exit status. The socket file of a server gone is
+    removed.
+    """
+
+    def __init__(self) -> None:
+        self.server = mp_forkserver.ForkServer()
+        self.server.set_forkserver_preload(list(WARM_PRELOAD))
+        self.sockets: set[str] = set()  # the socket files of our servers, e.g. {"/tmp/…"}
+        self.lock = threading.Lock()  # one request (or start) at a time
+
+    def start(self) -> None:
+        """Start the server now if it is not running: it imports while we go on."""
+        with self.lock:
+            self._start()
+
+    def fork(self, fds: list[int]) -> tuple[int, int, int]:
+        """Ask the server for a child that inherits ``fds``.
+
+        Returns the child's pid, the read end of the pipe on which the server writes
+        its exit status, and the write end of the pipe the child reads its process
+        object from (nothing written yet: a child whose pid never came back reads
+        nothing, and exits).
+        """
+        with self.lock:
+            for last in (False, True):
+                used = self._start()
+                try:
+                    status, write = self.server.connect_to_new_process(fds)
+                except (ConnectionError, FileNotFoundError, ChildProcessError):
+                    if last:
+                        raise
+                    self._forget(used)
+                    continue
+                try:
+                    pid: int = mp_forkserver.read_signed(status)
+                except (EOFError, OSError):
+                    os.close(status)
+                    os.close(write)
+                    if last:
+                        raise
+                    self._forget(used)
+                    continue
+                return pid, status, write
+        raise AssertionError("unreachable")
+
+    def _start(self) -> int:
+        """The server's pid, started if it is not running."""
+        server: Any = self.server
+        try:
+            server.ensure_running()
+        except ChildProcessError:  # it exited and someone reaped it (os.wait(), SIGCHLD)
+            self._forget(server._forkserver_pid, signal_it=False)
+            server.ensure_running()
+        address = server._forkserver_address
+        if address not in self.sockets:  # a new server: the others are gone
+            for gone in self.sockets:
+                with contextlib.suppress(OSError):
+                    os.unlink(gone)
+            self.sockets.clear()
+            if not mp_util.is_abstract_socket_namespace(address):
+                self.sockets.add(address)
+        pid: int = server._forkserver_pid
+        return pid
+
+    def _forget(self, pid: int, signal_it: bool = True) -> None:
+        """Stop and reap the server ``pid``, so that the next request starts another
+        (as multiprocessing does for one that exited); without ``signal_it``, only
+        forget it (another wait reaped it: the pid may be another process's now)."""
+        server: Any = self.server
+        if signal_it:
+            try:  # still our child (not reaped by another wait), so the pid is its
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                pass
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # if it is not dead yet: no use any more
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_address = None
+        server._forkserver_alive_fd = None
+        server._forkserver_pid = None
+
+    def after_fork_in_child(self) -> None:
+        # A forked child of this process cannot wait for its parent's server: it starts
+        # its own, if it ever needs one. Its copy of the "alive" pipe goes at once; the
+        # parent's socket files are the parent's to remove.
+        alive: int | None = getattr(self.server, "_forkserver_alive_fd", None)
+        self.server = mp_forkserver.ForkServer()
+        self.server.set_forkserver_preload(list(WARM_PRELOAD))
+        self.sockets = set()
+        self.lock = threading.Lock()
+        if alive is not None:
+            with contextlib.suppress(OSError):
+                os.close(alive)
+
+
+_warm_server = _WarmServer()
+os.register_at_fork(after_in_child=_warm_server.after_fork_in_child)
+
+# Signals every Python interpreter ignores from its start (so that a write to a closed
+# pipe raises, a large file is an error): a worker ignores them as one started afresh.
+_IGNORED_BY_PYTHON = frozenset(
+    getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)
+)
+
+
+def _status_field(status: str, name: str) -> int:
+    """A number of ``/proc/self/status``: the ``Umask`` (octal) or ``SigIgn``
+    (hexadecimal) line's."""
+    at = status.find(f"\n{name}:")
+    if at < 0:
+        raise LookupError(f"no {name} in /proc/self/status")
+    value = status[at + len(name) + 2 : status.find("\n", at + 1)]
+    return int(value, 8 if name == "Umask" else 16)
+
+
+_VALID_SIGNALS = frozenset(int(number) for number in signal.valid_signals())
+
+
+def _signals(mask: int) -> set[int]:
+    """The signals of a mask of /proc (bit n-1 for signal n) that Python can set."""
+    return {n for n in _VALID_SIGNALS if mask >> (n - 1) & 1}
+
+
+class _ParentState:
+    """What a worker of the warm server takes from its parent as it is now, not as it
+    was when the server started: the environment, the umask, the ignored signals and
+    the starting thread's signal mask (the working directory and ``sys.path`` travel
+    in multiprocessing's own preparation data).
+
+    Read in the parent for each fork request (a read of ``/proc/self/status`` and a
+    copy of the environment: 0.2 ms on a busy machine, where a worker's start takes
+    25 ms or more), and put first in the request's preparation data: it pickles as a
+    call of :func:`_take_parent_state`, so the child applies it while it unpickles that
+    data, before anything else of the request is loaded and before
+    ``multiprocessing.spawn.prepare`` runs.
+    """
+
+    def __init__(self) -> None:
+        with open("/proc/self/status") as f:
+            status = f.read()
+        self.environ = dict(os.environb)
+        self.umask = _status_field(status, "Umask")
+        self.ignored = _signals(_status_field(status, "SigIgn"))
+        self.blocked = {int(number) for number in signal.pthread_sigmask(signal.SIG_BLOCK, ())}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _take_parent_state, (self.environ, self.umask, self.ignored, self.blocked)
+
+
+def _take_parent_state(
+    environ: dict[bytes, bytes], umask: int, ignored: set[int], blocked: set[int]
+) -> None:
+    """In a warm worker: become the parent's environment, umask and signal state.
+
+    A signal the parent ignores is ignored; one it does not ignore but the server did
+    (it started with the parent of that time) gets back a new interpreter's
+    disposition: Python's ``KeyboardInterrupt`` for ``SIGINT``, ignored for ``SIGPIPE``
+    and ``SIGXFSZ``, the default for the rest. These are what a spawned worker gets.
+    """
+    here = os.environb
+    for name in [name for name in here if name not in environ]:
+        del here[name]
+    for name, value in environ.items():
+        if here.get(name) != value:
+            here[name] = value
+    os.umask(umask)
+    with open("/proc/self/status") as f:
+        ignored_here = _signals(_status_field(f.read(), "SigIgn"))
+    for number in ignored - ignored_here:
+        signal.signal(number, signal.SIG_IGN)
+    for number in ignored_here - ignored - _IGNORED_BY_PYTHON:
+        default = signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
+        signal.signal(number, default)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class _WarmPopen(mp_popen_forkserver.Popen):
+    """multiprocessing's forkserver ``Popen``, asking sharexec's server for the fork.
+
+    The child is told nothing of the parent's main module (as loky's start method):
+    its code reaches workers inside pickles, so no script is imported again, and a
+    script needs no ``if __name__ == "__main__"`` guard for it. It is told the parent's
+    state of now (:class:`_ParentState`), first.
+
+    Its sentinel is a pipe the child holds the write end of (as under ``fork`` and
+    ``spawn``), not the server's status pipe: the parent sees a worker end when the
+    worker does, and a server that dies takes no worker with it. The exit status still
+    comes from the server, which reaps its children; 255 if the server is gone.
+    """
+
+    _status: int | None = None  # the server's pipe: the child's pid, then its exit status
+
+    def _launch(self, process_obj: Any) -> None:
+        data = mp_spawn.get_preparation_data(process_obj._name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        data = {"sharexec_parent_state": _ParentState(), **data}
+        buffer = io.BytesIO()
+        mp_context.set_spawning_popen(self)  # fds the process carries go with the request
+        try:
+            mp_reduction.dump(data, buffer)
+            mp_reduction.dump(process_obj, buffer)
+        finally:
+            mp_context.set_spawning_popen(None)
+        fds: list[int] = self._fds  # type: ignore[attr-defined]  # duplicate_for_child's
+        sentinel, held = os.pipe()
+        try:
+            self.pid, self._status, write = _warm_server.fork([*fds, held])
+        except BaseException:
+            os.close(sentinel)
+            raise
+        finally:
+            os.close(held)
+        self.sentinel = sentinel
+        # The child takes the closing of this pipe's write end for its parent's death:
+        # one copy stays open for as long as this object lives.
+        kept = os.dup(write)
+        close_fds = mp_util.close_fds  # type: ignore[attr-defined]
+        self.finalizer = mp_util.Finalize(self, close_fds, (kept, sentinel, self._status))
+        with open(write, "wb", closefd=True) as pipe:
+            pipe.write(buffer.getbuffer())
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if self.returncode is None:
+            timeout = 0 if flag == os.WNOHANG else None
+            if not mp_connection.wait([self.sentinel], timeout):
+                return None
+            # The child is gone: the server writes its status once it has reaped it.
+            code = 255
+            if self._status is not None and mp_connection.wait([self._status], _REAPED_WITHIN):
+                with contextlib.suppress(OSError, EOFError):
+                    code = mp_forkserver.read_signed(self._status)
+            self.returncode = code
+        return self.returncode
+
+
+# How long a worker's exit status may take to come from a live server after the worker
+# is gone (it reaps at once: this bounds a stopped server's delay, then 255).
+_REAPED_WITHIN = 5.0
+
+
+class _WarmProcess(mp_context.ForkServerProcess):
+    _start_method = "forkserver"
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _WarmPopen:
+        return _WarmPopen(process_obj)
+
+
+class _WarmContext(mp_context.ForkServerContext):
+    """A forkserver context whose processes are forks of sharexec's warm server."""
+
+    Process = _WarmProcess
+
+    def start_server(self) -> None:
+        """Start the server (if it is not running), so that it warms up meanwhile."""
+        _warm_server.start()
+
+
+_warm = _WarmContext()
+
+
+def warm_context() -> Any:
+    """sharexec's default start method: forks of a server that imported
+    :data:`WARM_PRELOAD` (a ``forkserver`` context; see :class:`_WarmServer`)."""
+    return _warm
