@@ -85,8 +85,8 @@ def _shm_listing() -> list[tuple[str, int]]:
 def assert_cluster_clean(client: Any, ex: sharexec.ClusterExecutor) -> None:
     """Nothing of ``ex`` on the cluster, and no segment a worker owns."""
     token = ex._token
-    assert client.run_on_scheduler(_cluster._scheduler_holds, token) == 0
-    assert not any(client.run(_cluster._worker_holds, token).values())
+    assert client.run_on_scheduler(_cluster.worker._scheduler_holds, token) == 0
+    assert not any(client.run(_cluster.worker._worker_holds, token).values())
     assert not [k for k in client.futures if token in str(k)]
     assert set(client.run(_worker_segments).values()) == {(0, 0)}
 
@@ -180,7 +180,7 @@ def test_cancel_running_and_shutdown_cancel_futures(ex, client):
     """A call given to Dask is running (cancel returns False); one still waiting in the
     executor is not, and is cancelled by cancel() or shutdown(cancel_futures=True)."""
     gate = distributed.Event(f"gate-{os.urandom(4).hex()}", client=client)
-    capacity = _cluster._PER_THREAD * 2  # two workers of one thread
+    capacity = _cluster.executor._PER_THREAD * 2  # two workers of one thread
     futures = [ex.submit(wait_for, gate.name, i) for i in range(capacity + 4)]
     running, waiting = futures[:capacity], futures[capacity:]
     assert_running_soon(running)
@@ -288,10 +288,10 @@ def test_bytes_are_hashed_the_same_when_copied_as_they_are_hashed():
         copy[offset : offset + len(step)] = step
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_cluster, "_HASH_PIECE", 2 * MiB)  # two pieces, on two threads
-        assert _cluster._digest(data, write) == _cluster._digest(data)
-    assert copy == data and _cluster._digest(data) != _cluster._digest(data[:-1])
-    assert _cluster._zeros(memoryview(bytes(3 * MiB))) and not _cluster._zeros(data)
+        patch.setattr(_cluster.blobs, "_HASH_PIECE", 2 * MiB)  # two pieces, on two threads
+        assert _cluster.blobs._digest(data, write) == _cluster.blobs._digest(data)
+    assert copy == data and _cluster.blobs._digest(data) != _cluster.blobs._digest(data[:-1])
+    assert _cluster.blobs._zeros(memoryview(bytes(3 * MiB))) and not _cluster.blobs._zeros(data)
 
 
 def test_a_changed_array_is_never_served_a_stale_copy(ex, client):
@@ -509,9 +509,9 @@ def test_a_name_without_its_bytes_fails_clearly_where_it_cannot_be_mapped():
     # cannot map it (gone, or on another host) says so, and never makes up bytes.
     digest = b"\x00" * 32
     with pytest.raises(SegmentError, match="the client's copy of a 4096-byte argument"):
-        _cluster._arrive(digest, 4096, _cluster._host(), "sharexec-1-gone", None)
+        _cluster.blobs._arrive(digest, 4096, _cluster.blobs._host(), "sharexec-1-gone", None)
     with pytest.raises(SegmentError, match="is on another host"):
-        _cluster._arrive(digest, 4096, "another-host", "sharexec-1-gone", None)
+        _cluster.blobs._arrive(digest, 4096, "another-host", "sharexec-1-gone", None)
 
 
 WORKER_IN_PRIVATE_SHM = 'mount -t tmpfs -o mode=1777,size=1g tmpfs /dev/shm && exec "$0" "$@"'
@@ -615,7 +615,7 @@ def test_get_executor_returns_the_chosen_cluster(client):
         assert library_norm(a) == pytest.approx(np.linalg.norm(a))
         token = ex._token
     assert _cluster.chosen() is None
-    assert client.run_on_scheduler(_cluster._scheduler_holds, token) == 0
+    assert client.run_on_scheduler(_cluster.worker._scheduler_holds, token) == 0
     with sharexec.use_cluster(ex2 := sharexec.ClusterExecutor(client)):
         assert sharexec.get_executor() is ex2
     assert _cluster.chosen() is None

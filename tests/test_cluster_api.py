@@ -62,7 +62,7 @@ def await_forgotten(client: Any, token: str, seconds: float = 60) -> None:
     while it ran stays in its worker until its function returns."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not any(client.run(_cluster._worker_holds, token).values()):
+        if not any(client.run(_cluster.worker._worker_holds, token).values()):
             return
         time.sleep(0.05)  # the cluster tells nobody when a worker forgets a task
     raise AssertionError("a worker still holds a task of the executor")
@@ -87,7 +87,7 @@ def test_closing_the_client_fails_every_call_not_done_with_broken_executor(clien
     ex = sharexec.ClusterExecutor(theirs)
     go = gate(client)
     a = np.ones(MiB // 8)  # sent once: the executor holds a blob on the cluster
-    capacity = _cluster._PER_THREAD * 2  # two workers of one thread
+    capacity = _cluster.executor._PER_THREAD * 2  # two workers of one thread
     futures = [ex.submit(first_element, a, go.name) for _ in range(capacity + 3)]
     assert_running_soon(futures[:capacity])
     theirs.close()
@@ -194,7 +194,7 @@ def test_a_restart_of_the_cluster_breaks_the_executor(client):
     # Both tasks on the scheduler first: one that reached it after the restart would run
     # there for nobody (the client forgets its keys at a restart, Dask's own race).
     deadline = time.monotonic() + 60
-    while client.run_on_scheduler(_cluster._scheduler_holds, ex._token) < 2:
+    while client.run_on_scheduler(_cluster.worker._scheduler_holds, ex._token) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.02)  # nothing tells when the scheduler has a task
     client.restart()
@@ -262,7 +262,7 @@ def test_map_with_a_buffersize_and_chunks_counts_chunks(ex):
 def test_a_buffered_map_closed_submits_nothing_more(ex, client):
     """As the local executor's: the calls submitted ahead are the buffer's alone."""
     go = gate(client)
-    capacity = _cluster._PER_THREAD * 2
+    capacity = _cluster.executor._PER_THREAD * 2
     blockers = [ex.submit(wait_for, go.name, i) for i in range(capacity)]
     assert_running_soon(blockers)
     results = ex.map(identity, range(100), buffersize=10)
@@ -294,7 +294,7 @@ def test_stopping_on_a_users_cluster_ends_the_calls_and_spares_its_workers(clien
     pids = client.run(os.getpid)
     ex = sharexec.ClusterExecutor(client)
     go = gate(client)
-    capacity = _cluster._PER_THREAD * 2
+    capacity = _cluster.executor._PER_THREAD * 2
     futures = [ex.submit(wait_for, go.name, i) for i in range(capacity + 3)]
     running, queued = futures[:capacity], futures[capacity:]
     assert_running_soon(running)

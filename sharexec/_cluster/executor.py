@@ -1,61 +1,19 @@
-"""ClusterExecutor: the same program on a Dask cluster, and ``use_cluster``.
+"""The client's side of the cluster executor: :class:`ClusterExecutor`.
 
-This module owns the cluster executor, the choice that makes :func:`sharexec.get_executor`
-return one, and what runs of it in a Dask worker. Dask distributed schedules and moves the
-data; sharexec only decides what to send, once, and how each task sees it. ``distributed``
-is imported only when an executor is made (``import sharexec`` and ``get_executor`` never
-load it).
-
-Data flow, in the order a submitted call travels::
-
-  submit(fn, *args, **kwargs)                                      user thread
-    └─ a _Call in the queue, stamped with the executor's clock; nothing is read yet
-  dispatcher thread: while fewer than two calls per worker thread are in Dask
-    └─ the call is running now (set_running_or_notify_cancel); _pack:
-       ONE cloudpickle pass at protocol 5 over (fn, args, kwargs)
-         reducer_override(ndarray)
-           in a shared segment (any view)   ─▶ a slot: its values now (a snapshot), to be
-                                               rebuilt as the task's own array
-           large and gappy                  ─▶ a contiguous copy, then as below
-         buffer_callback(PickleBuffer)      (large arrays, pandas, pyarrow…)
-           < min_share_bytes                ─▶ in the payload
-           an argument whose bytes were     ─▶ that blob (no hash: any moment between the
-             hashed after this call's submit     call's submit and dispatch is its own)
-           all zeros (a fresh output)       ─▶ their length alone, in the task
-           otherwise                        ─▶ its SHA-256: a blob already on the cluster
-                                               with that digest, or scattered once now
-                                               (_HostBytes, client.scatter; _scatter); a
-                                               length no blob has is copied for this
-                                               host's workers as it is hashed (_hash)
-    └─ client.submit(_run, payload, blobs, pure=False, key=<fn>-<token>-<n>)
-  worker:   each blob a _HostBytes, one per host in a sharexec segment; the task gets a
-            copy-on-write mapping of it (writes stay its own), or fresh zeros; slots
-            rebuilt from their snapshots; fn(*args, **kwargs); what it changed in each slot, packed
-  Dask's callback thread: the call is out of Dask (the next may go) ─▶ results thread:
-            the outcome fetched (with those of the calls finished meanwhile, in one
-            round trip) and released on the cluster; the changed elements
-            written into the shared arrays; then the future completes; its blobs are let
-            go of (released when no call holds them and no object they came from lives)
-
-Where workers share the client's host, the client copies a blob's bytes once into a
-segment of its own and sends those workers its name alone. On any other host, the first
-worker to receive a blob copies it into a segment it owns; a worker on the same host
-that receives it from that one maps the segment by name instead of keeping what it
-received. Every such segment is tracked and swept as any sharexec segment. A task maps a
-blob copy-on-write through the worker's kept mappings (reused by the next task while no
-task wrote into it): its pages are the segment's, shared, never the worker's private
-memory, and Dask's ``sizeof`` of a blob is its handle's.
+The user's thread queues a call; the dispatcher thread packs it when the cluster has room
+(``packing``), sends its large buffers once (``blobs``) and submits it to Dask; Dask's
+callback marks it out of Dask, and the results thread fetches outcomes, writes back what
+tasks changed of shared arrays and completes futures with the standard library's
+outcomes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import io
 import itertools
 import os
-import pickle
 import signal
 import threading
 import time
@@ -74,409 +32,48 @@ from concurrent.futures import wait as wait_futures
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import cloudpickle
 import numpy as np
 
-from . import _segments, _tracking, _worker
-from ._api import Statistics, map_calls, submit_future
-from ._arrays import byte_bounds
-from ._config import Options
-from ._loky import remote_traceback
-from ._wire import Raised
-from .errors import SegmentError
+from .. import _segments, _tracking, _worker
+from .._api import Statistics, map_calls, submit_future
+from .._arrays import byte_bounds
+from .._config import Options
+from .._loky import remote_traceback
+from ..errors import SegmentError
 
 if TYPE_CHECKING:
     import distributed
 
-__all__ = ["ClusterExecutor", "chosen", "use_cluster"]
+
+from .blobs import _digest, _host, _HostBytes, _in_segment, _register_sizeof, _zeros
+from .packing import _Packer
+from .worker import _run, _scheduler_holds, _worker_holds
 
 T = TypeVar("T")
 
 # Calls given to Dask at once, per worker thread: one running, one ready to start.
 _PER_THREAD = 2
-# Hashed on several threads above this size (SHA-256 runs at about 1.4 GB/s a core).
-_HASH_PIECE = 32 << 20
-# Copied and hashed a step at a time (see _digest): a step stays in the cache between.
-_STEP = 1 << 20
+
 # How long shutdown(wait=True) waits for the cluster to forget this executor's blobs.
 _FORGET_TIMEOUT = 30.0
+
 # How long the client may take to give what it holds already (a task's error), on its
+
 # event loop: bounded, for a loop stopped meanwhile would never answer.
 _ASK_TIMEOUT = 30.0
+
 # How often the executor looks at its client while calls are in flight (seconds): a
+
 # client closed under them ends them, even if Dask never calls back.
 _WATCH = 0.5
+
 # The reasons Dask gives for cancelling every future of a client whose cluster forgot
+
 # them all (this executor's arrays on it too): the executor cannot go on.
 _CLUSTER_LOST = {
     "scheduler-restart": "the cluster was restarted (client.restart())",
     "scheduler-connection-lost": "the client lost its connection to the scheduler",
 }
-
-
-# ---------------------------------------------------------------------------------------
-# Blobs: bytes sent to the cluster once, one copy per host
-# ---------------------------------------------------------------------------------------
-
-
-def _host() -> str:
-    """What tells hosts apart: the boot, and the shared-memory folder's file system (two
-    workers in private /dev/shm mounts are two hosts)."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    st = os.stat(_segments.SHM_FOLDER)
-    return f"{boot}:{st.st_dev}:{st.st_ino}"
-
-
-class _HostBytes:
-    """The bytes of one large buffer, as the cluster holds them.
-
-    In the client, either the bytes were copied into a sharexec segment ``name`` the
-    client owns (``owner``), for the workers of the client's own host, which map it by
-    name (only the name travels: ``local``); or ``data`` is the user's buffer, read when
-    Dask pickles it (at scatter), for a cluster with no worker on the client's host.
-    In a worker, the bytes live in the sharexec segment ``name`` on this host: created and
-    owned by this process (``owner``, the handle that unlinks it), or another process's,
-    kept alive by ``held``, a mapping never touched. When neither is possible (shared
-    memory full), ``data`` holds the bytes in this process.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "by_name",
-        "data",
-        "digest",
-        "held",
-        "local",
-        "name",
-        "owner",
-        "size",
-        "zeros",
-    )
-
-    def __init__(
-        self,
-        digest: bytes,
-        size: int,
-        data: Any = None,
-        name: str | None = None,
-        owner: object = None,
-        held: _segments.Mapping | None = None,
-    ) -> None:
-        self.digest = digest  # e.g. b"\x9f\x86…" (SHA-256 of the bytes and their length)
-        self.size = size
-        self.data = data
-        self.name = name
-        self.owner = owner
-        self.held = held
-        self.local = False  # the client's copy, for its host's workers: the name alone
-        self.zeros = False  # the bytes are all zeros: only their length travels
-        # The client's copy, in the tasks themselves where every worker is on the client's
-        # host: only the name travels, wherever it goes (the scheduler unpickles a task
-        # and pickles it again for a worker), and a task maps it by name.
-        self.by_name = False
-
-    @classmethod
-    def of_zeros(cls, size: int) -> _HostBytes:
-        """``size`` zero bytes (a fresh output, say): no copy anywhere, sent in the task."""
-        blob = cls(b"", size)
-        blob.zeros = True
-        return blob
-
-    @classmethod
-    def named(cls, digest: bytes, size: int, name: str) -> _HostBytes:
-        """The client's copy ``name`` of ``size`` bytes, mapped only by the task using it."""
-        blob = cls(digest, size, name=name)
-        blob.by_name = True
-        return blob
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        if self.zeros:
-            return _HostBytes.of_zeros, (self.size,)
-        if self.by_name:
-            return _HostBytes.named, (self.digest, self.size, self.name)
-        if self.local:
-            return _arrive, (self.digest, self.size, _host(), self.name, None)
-        buffer = self.data if self.name is None else self._mapped()
-        buffer = pickle.PickleBuffer(buffer) if int(protocol) >= 5 else bytes(buffer)
-        return _arrive, (self.digest, self.size, _host(), self.name, buffer)
-
-    def _mapped(self) -> Any:
-        """The bytes, for a worker sending them: the segment mapped for this once (the
-        frames keep it alive until sent), so that the held mapping stays untouched (no
-        resident memory); the held one if the segment's owner on this host let it go."""
-        try:
-            return _tracking.attach_held(self.name, self.size)  # type: ignore[arg-type]
-        except SegmentError:
-            return self.held
-
-    def private(self) -> Any:
-        """A writable buffer of the bytes whose writes stay this caller's: of bytes in a
-        segment, a copy-on-write mapping, kept for this process's next task while no task
-        wrote into it (the local workers' KeptMappings; dropped once the segment goes)."""
-        if self.zeros:  # pages of zeros, each made when first written
-            return np.zeros(self.size, np.uint8)
-        if self.name is None:
-            return bytearray(self.data)
-        try:
-            return _worker.kept.hold_copy(self.name, self.size, watch=True)
-        except SegmentError as exc:
-            if self.by_name:
-                raise SegmentError(
-                    f"the client's copy of a {self.size}-byte argument, {self.name}, cannot "
-                    f"be mapped here: {exc}"
-                ) from exc
-        with _here_lock:  # its owner on this host let it go: make this one the owner
-            if self.owner is None:
-                self._rehome()
-        if self.name is None:  # shared memory short: the bytes are in this process
-            return bytearray(self.data)
-        return _worker.kept.hold_copy(self.name, self.size, watch=True)
-
-    def _rehome(self) -> None:
-        """Copy the bytes held into a segment of this process's (under _here_lock)."""
-        mine = _copy_in(self.digest, self.size, self.held)
-        self.name, self.owner, self.held = mine.name, mine.owner, mine.held
-        if self.name is None:  # shared memory short: the bytes stay in this process
-            self.data = mine.data
-
-
-# This process's blobs by digest, e.g. {b"\x9f\x86…": <_HostBytes>}: a blob received
-# again (under another key) is not copied again.
-_here: weakref.WeakValueDictionary[bytes, _HostBytes] = weakref.WeakValueDictionary()
-_here_lock = threading.Lock()
-
-
-def _arrive(
-    digest: bytes, size: int, host: str, name: str | None, buffer: Any | None
-) -> _HostBytes:
-    """Unpickled in a worker: the blob over this host's one copy of ``buffer``'s bytes
-    (``buffer`` None: the client of this host sent the name of its copy alone)."""
-    _register_sizeof()
-    with _here_lock:
-        known = _here.get(digest)
-    if known is not None:
-        return known
-    blob = None
-    if name is not None and host == _host():  # a process of this host sent its copy
-        try:
-            blob = _HostBytes(digest, size, name=name, held=_tracking.attach_held(name, size))
-        except SegmentError as exc:
-            if buffer is None:
-                raise SegmentError(
-                    f"the client's copy of a {size}-byte argument, {name}, is gone: {exc}"
-                ) from exc
-    if blob is None:
-        if buffer is None:
-            raise SegmentError(f"{name}, the client's copy of an argument, is on another host")
-        blob = _copy_in(digest, size, buffer)
-    with _here_lock:
-        return _here.setdefault(digest, blob)
-
-
-def _copy_in(digest: bytes, size: int, buffer: Any) -> _HostBytes:
-    """A worker's blob of ``buffer``'s bytes: in a segment of its own, held."""
-    data = memoryview(buffer).cast("B")
-    try:
-        name, owner = _in_segment(size, lambda write: write(0, data))
-    except SegmentError:  # shared memory short: the bytes stay in this process
-        return _HostBytes(digest, size, data=bytes(data))
-    return _HostBytes(digest, size, name=name, owner=owner, held=_tracking.attach_held(name, size))
-
-
-def _in_segment(size: int, content: _segments.Content) -> tuple[str, Any]:
-    """A new segment this process owns, holding what ``content`` writes: its name and its
-    owner. The bytes are written into the segment's file (each page allocated and filled
-    at once, about twice as fast as a copy through a fresh mapping) and never mapped here,
-    so they stay in no process's resident set. SegmentError when shared memory is short.
-    """
-    mapping = _tracking.new_private(size, content=content)
-    name, owner = mapping.name, mapping.owner
-    mapping.close()
-    return name, owner
-
-
-def _sizeof(blob: _HostBytes) -> int:
-    """What Dask counts for a blob in a worker: its handle, not the host's one copy."""
-    return 200
-
-
-_sizeof_registered = False
-
-
-def _register_sizeof() -> None:
-    """Tell Dask's ``sizeof`` about blobs, once per process (client and workers)."""
-    global _sizeof_registered
-    if not _sizeof_registered:
-        from dask.sizeof import sizeof
-
-        register: Any = sizeof.register  # untyped
-        register(_HostBytes)(_sizeof)
-        _sizeof_registered = True
-
-
-def _zeros(data: memoryview) -> bool:
-    """Whether the bytes are all zeros, read a step at a time: other bytes are most often
-    found in the first step."""
-    values = np.frombuffer(data, np.uint8)
-    return not any(values[at : at + _STEP].any() for at in range(0, values.size, _STEP))
-
-
-def _digest(data: memoryview, write: Callable[[int, memoryview], None] | None = None) -> bytes:
-    """SHA-256 of the bytes (of pieces hashed on several threads, for large ones).
-
-    With ``write``, the bytes are also copied (``write(offset, step)``) a step at a time,
-    each step hashed after it is written, while it is still in the cache: one read of
-    the bytes from memory for both.
-    """
-    n = data.nbytes
-
-    def piece(start: int) -> bytes:
-        end = min(start + _HASH_PIECE, n)
-        h = hashlib.sha256()
-        for at in range(start, end, _STEP):
-            step = data[at : min(at + _STEP, end)]
-            if write is not None:
-                write(at, step)
-            h.update(step)
-        return h.digest()
-
-    starts = range(0, max(n, 1), _HASH_PIECE)
-    threads = min(len(starts), os.cpu_count() or 1)
-    if threads > 1:
-        with ThreadPoolExecutor(threads, thread_name_prefix="sharexec-digest") as pool:
-            parts = list(pool.map(piece, starts))
-    else:
-        parts = [piece(start) for start in starts]
-    return hashlib.sha256(b"".join(parts) + n.to_bytes(8, "little")).digest()
-
-
-# ---------------------------------------------------------------------------------------
-# The client's pass: what goes in the payload, what is sent once
-# ---------------------------------------------------------------------------------------
-
-
-class _Packer(cloudpickle.Pickler):  # type: ignore[misc]
-    """Pickles a call; collects its large buffers and its shared arrays.
-
-    ``slots``: the caller's views of shared arrays, in the order the task rebuilds them,
-    e.g. [<SharedArray view of 1000 float64>]; ``buffers``: the large out-of-band buffers
-    in the order the payload consumes them.
-    """
-
-    def __init__(self, file: io.BytesIO, min_share_bytes: int) -> None:
-        super().__init__(file, protocol=5, buffer_callback=self._buffer)
-        self.min_share_bytes = min_share_bytes
-        self.slots: list[np.ndarray] = []
-        self.buffers: list[memoryview] = []
-        # The plain views of shared memory made for the slots, pickled as data, by id,
-        # e.g. {140213: <ndarray>}: read at dispatch (their bytes hashed, sent or in-band).
-        self.snapshots: dict[int, np.ndarray] = {}
-
-    def reducer_override(self, obj: Any) -> Any:
-        # cloudpickle's own override handles functions and classes: fall through to it.
-        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
-            if id(obj) in self.snapshots:
-                return NotImplemented  # numpy's own reduction: the bytes
-            if _tracking.find_shared(*byte_bounds(obj)) is not None:
-                self.slots.append(obj)
-                plain = obj.view(np.ndarray)
-                snapshot = plain if plain.flags.c_contiguous else np.ascontiguousarray(plain)
-                self.snapshots[id(snapshot)] = snapshot
-                return _slot, (len(self.slots) - 1, snapshot)
-            dense = obj.flags.c_contiguous or obj.flags.f_contiguous
-            if not dense and obj.nbytes >= self.min_share_bytes:
-                return np.asarray, (np.ascontiguousarray(obj),)  # then out of band
-        return super().reducer_override(obj)
-
-    def _buffer(self, buffer: pickle.PickleBuffer) -> bool:
-        data = buffer.raw()
-        if data.nbytes < self.min_share_bytes:
-            return True  # in the payload
-        self.buffers.append(data)
-        return False
-
-
-# ---------------------------------------------------------------------------------------
-# The worker's side of a call
-# ---------------------------------------------------------------------------------------
-
-# In the thread unpickling a call: the shared slots it rebuilt, e.g. [(0, snapshot, copy)]
-# (slots), and the ids of the buffers of zeros it was given (zeros, e.g. {140213}).
-_unpacking = threading.local()
-
-
-def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
-    """Rebuilt in the task: its own copy of a shared view's values at dispatch.
-
-    A snapshot sent as a blob is already the task's own (a copy-on-write mapping, or
-    zeros made for it): the task writes into it, and the values it started from are read
-    from the blob's segment (or are zeros). A small one, unpickled from the payload, is
-    copied.
-    """
-    mapping: Any = snapshot.base
-    working: np.ndarray
-    # numpy: ndarray, memoryview, ours; or the zeros given
-    while isinstance(mapping, (np.ndarray, memoryview)) and id(mapping) not in _unpacking.zeros:
-        mapping = mapping.base if isinstance(mapping, np.ndarray) else mapping.obj
-    if id(mapping) in _unpacking.zeros:
-        before, working = np.zeros(snapshot.shape, snapshot.dtype), snapshot
-    elif isinstance(mapping, _segments.Mapping) and mapping.private:
-        offset = snapshot.__array_interface__["data"][0] - mapping.address
-        held = _tracking.attach_held(mapping.name, len(mapping))
-        before = np.ndarray(snapshot.shape, snapshot.dtype, held, offset, snapshot.strides)
-        working = snapshot
-    else:
-        before, working = snapshot, snapshot.copy()
-    _unpacking.slots.append((index, before, working))
-    return working
-
-
-def _changes(before: np.ndarray, after: np.ndarray) -> Any:
-    """What changed between two arrays of one shape: None, ``(None, all values)`` or
-    ``(packed mask, values changed)``, compared byte for byte (NaN, -0.0)."""
-    size = before.dtype.itemsize
-    word = next(w for w in (8, 4, 2, 1) if size % w == 0)  # compared a word at a time
-    old = before.reshape(-1).view(f"u{word}")
-    new = np.ascontiguousarray(after).reshape(-1).view(f"u{word}")
-    differ = old != new
-    mask = differ if word == size else differ.reshape(-1, size // word).any(axis=1)
-    if not mask.any():
-        return None
-    if mask.all():
-        return None, after
-    return np.packbits(mask), after.reshape(-1)[mask]
-
-
-def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
-    """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", raised,
-    changes)``, ``raised`` a ``_wire.Raised`` (the client gets a ``_wire.Failure``) and
-    ``changes`` what the call changed of each shared slot."""
-    _worker.kept.drop_unlinked()  # the mappings kept of segments freed since
-    buffers = [b.private() for b in blobs]
-    kept = [b.name for b in blobs if b.name is not None]  # mapped through KeptMappings
-    _unpacking.slots = []
-    _unpacking.zeros = {id(buffer) for b, buffer in zip(blobs, buffers, strict=True) if b.zeros}
-    try:
-        fn, args, kwargs = pickle.loads(payload, buffers=buffers)
-        slots = _unpacking.slots
-    finally:
-        _unpacking.slots, _unpacking.zeros = [], set()
-    del blobs, buffers
-    try:
-        outcome: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
-    except BaseException as exc:  # as the standard library's worker (SystemExit too)
-        outcome = ("error", Raised(exc))  # rebuilt apart in the client (_wire.load_raised)
-    del fn, args, kwargs
-    changes = [(index, _changes(before, after)) for index, before, after in slots]
-    del slots
-    _worker.kept.after_task(kept)  # unwritten and no view left: the next task reuses them
-    return (*outcome, [c for c in changes if c[1] is not None])
-
-
-# ---------------------------------------------------------------------------------------
-# The executor
-# ---------------------------------------------------------------------------------------
 
 
 class _Sent:
@@ -1217,7 +814,7 @@ class ClusterExecutor(Executor):
             snapshot, copied in and out, never by reference), ``tasks_batched`` and
             ``batches`` (every call is a task of its own).
         """
-        from ._warm import pooled_everywhere
+        from .._warm import pooled_everywhere
 
         owned, owned_bytes = _tracking.live()
         everywhere, everywhere_bytes = pooled_everywhere()
@@ -1366,16 +963,6 @@ class ClusterExecutor(Executor):
 _NOT_FETCHED = object()  # a finished call's outcome, not fetched with others'
 
 
-def _scheduler_holds(token: str, dask_scheduler: Any = None) -> int:
-    """On the scheduler: how many tasks of the executor marked ``token`` it knows."""
-    return sum(token in str(key) for key in dask_scheduler.tasks)
-
-
-def _worker_holds(token: str, dask_worker: Any = None) -> int:
-    """In a worker: how many keys of the executor marked ``token`` it holds or runs."""
-    return sum(token in str(key) for key in dask_worker.state.tasks)
-
-
 def _write_back(view: np.ndarray, change: Any) -> None:
     """Write a task's changes into the caller's shared view (every page of a view written
     whole mapped at once first: a fresh output's pages are not mapped in this process)."""
@@ -1388,57 +975,3 @@ def _write_back(view: np.ndarray, change: Any) -> None:
         view[...] = values
     else:
         view[np.unpackbits(mask, count=view.size).view(bool).reshape(view.shape)] = values
-
-
-# ---------------------------------------------------------------------------------------
-# Choosing the cluster for get_executor
-# ---------------------------------------------------------------------------------------
-
-# The executors chosen by use_cluster blocks open now, innermost last (process-wide).
-_chosen: list[ClusterExecutor] = []
-_chosen_lock = threading.Lock()
-
-
-def chosen() -> ClusterExecutor | None:
-    """The executor of the innermost :func:`use_cluster` block open, if any."""
-    with _chosen_lock:
-        return _chosen[-1] if _chosen else None
-
-
-@contextlib.contextmanager
-def use_cluster(
-    cluster: ClusterExecutor | distributed.Client | str | None = None, **options: Any
-) -> Iterator[ClusterExecutor]:
-    """Within the block, :func:`sharexec.get_executor` returns a cluster executor.
-
-    For library code that calls :func:`sharexec.get_executor`: the user runs it on a Dask
-    cluster without changing it, as with joblib's ``parallel_config``. The choice is
-    process-wide (calls from any thread see it) and blocks nest.
-
-    Parameters
-    ----------
-    cluster : ClusterExecutor, distributed.Client or str, optional
-        An executor to use as it is (left running at the end of the block), or what to
-        make one over (a client or a scheduler's address; by default a local cluster),
-        shut down at the end of the block.
-    **options
-        For the executor made: see :class:`ClusterExecutor`.
-
-    Yields
-    ------
-    ClusterExecutor
-        The executor :func:`sharexec.get_executor` returns within the block.
-    """
-    made = not isinstance(cluster, ClusterExecutor)
-    executor = (
-        cluster if isinstance(cluster, ClusterExecutor) else ClusterExecutor(cluster, **options)
-    )
-    with _chosen_lock:
-        _chosen.append(executor)
-    try:
-        yield executor
-    finally:
-        with _chosen_lock:
-            _chosen.remove(executor)
-        if made:
-            executor.shutdown()
