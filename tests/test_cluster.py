@@ -249,7 +249,7 @@ def blobs_held(client: Any, ex: sharexec.ClusterExecutor) -> int:
     """The executor's blobs: those the client holds on the cluster (it lets go at once, on
     its event loop; the cluster follows), and the copies whose name it gives tasks."""
     client.sync(loop_turn)
-    by_name = sum(sent.future is None for sent in ex._sent.values())
+    by_name = sum(sent.future is None for sent in ex._sender.sent.values())
     return by_name + sum(f"{ex._token}-blob" in str(key) for key in client.futures)
 
 
@@ -263,7 +263,7 @@ def test_an_array_is_sent_once_and_each_task_writes_its_own_copy(ex, client):
     assert [ex.submit(bump_first, a).result() for _ in range(3)] == [2.0, 2.0, 2.0]
     assert list(ex.map(bump_first, [a] * 4)) == [2.0] * 4
     assert a[0] == 1.0  # the caller's array is untouched
-    assert ex._bytes_sent == a.nbytes  # seven calls, one send
+    assert ex._sender.bytes_sent == a.nbytes  # seven calls, one send
 
 
 def test_zeros_travel_as_their_length_and_each_task_writes_its_own(ex, client):
@@ -274,10 +274,10 @@ def test_zeros_travel_as_their_length_and_each_task_writes_its_own(ex, client):
     assert a[0] == 0.0  # the caller's array is untouched
     assert ex.submit(write_every_other, out[2:], 0, 3.0).result() is None
     assert not out[:2].any() and (out[2::2] == 3.0).all() and not out[3::2].any()
-    assert ex._bytes_sent == 0 and blobs_held(client, ex) == 0  # nothing sent, or held
+    assert ex._sender.bytes_sent == 0 and blobs_held(client, ex) == 0  # nothing sent, or held
     a[-1] = 1.0  # no longer zeros: sent
     assert ex.submit(np.sum, a).result() == 1.0
-    assert ex._bytes_sent == a.nbytes
+    assert ex._sender.bytes_sent == a.nbytes
 
 
 def test_bytes_are_hashed_the_same_when_copied_as_they_are_hashed():
@@ -299,7 +299,7 @@ def test_a_changed_array_is_never_served_a_stale_copy(ex, client):
     assert ex.submit(np.sum, a).result() == a.sum()
     a[-1] = -1.0  # in place: same object, new bytes
     assert ex.submit(np.sum, a).result() == a.sum()
-    assert ex._bytes_sent == 2 * a.nbytes
+    assert ex._sender.bytes_sent == 2 * a.nbytes
     assert blobs_held(client, ex) == 1  # the old bytes were let go
     del a
     gc.collect()
@@ -316,7 +316,7 @@ def test_protocol5_buffers_and_gappy_views_are_sent_once(ex, client):
     buffer = pickle.PickleBuffer(data)  # out of band at protocol 5
     futures = [ex.submit(nbytes_sum, buffer) for _ in range(3)]
     assert [f.result() for f in futures] == [expected] * 3
-    assert ex._bytes_sent == len(data)  # three calls, one send
+    assert ex._sender.bytes_sent == len(data)  # three calls, one send
     grid = np.random.default_rng(0).random((1024, 1024))
     gappy = grid[::2, ::2]
     assert ex.submit(np.sum, gappy).result() == pytest.approx(gappy.sum())
@@ -457,14 +457,14 @@ def test_workers_of_one_host_share_one_copy(ex, client):
     # mapped that segment by name: every worker is on this host, so the name went in
     # each task, and Dask holds nothing.
     assert first != second and name == other and name.startswith(f"sharexec-{os.getpid()}-")
-    (sent,) = ex._sent.values()
+    (sent,) = ex._sender.sent.values()
     assert sent.future is None and len(pickle.dumps(sent.copy, protocol=5)) < 1000
     assert [s for s in _shm_listing() if s[0] == name] == [(name, a.nbytes)]
     managed = client.run(lambda dask_worker: dask_worker.state.nbytes)
     assert sum(managed.values()) < a.nbytes // 8
     # the array is still a copy per task, whichever worker runs it
     assert list(ex.map(bump_first, [a] * 4)) == [a[0] + 1] * 4
-    assert ex._bytes_sent == a.nbytes
+    assert ex._sender.bytes_sent == a.nbytes
 
 
 def mapped_before_reading(a: np.ndarray) -> tuple[int, int, float]:
@@ -583,7 +583,7 @@ def test_two_hosts_one_copy_each(two_hosts):
     try:
         a = np.random.default_rng(2).random(4 * MiB // 8)
         assert ex.submit(np.sum, a).result() == pytest.approx(a.sum())
-        (sent,) = ex._sent.values()
+        (sent,) = ex._sender.sent.values()
         client.replicate([sent.future], n=2)
         names = client.run(blob_segment, sent.future.key)
         assert len(set(names.values())) == 2  # a segment on each host

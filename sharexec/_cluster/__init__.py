@@ -3,12 +3,13 @@
 This package owns the cluster executor, the choice that makes :func:`sharexec.get_executor`
 return one, and what runs of it in a Dask worker, a module per role: ``executor`` (the
 client's side: :class:`ClusterExecutor`, its dispatcher and results threads), ``packing``
-(the client's pass over a call), ``blobs`` (bytes sent once, one copy per host:
-``_HostBytes``), ``worker`` (what a Dask worker runs: ``_run``), ``choice``
-(:func:`use_cluster`, :func:`chosen`). Dask distributed schedules and moves the
-data; sharexec only decides what to send, once, and how each task sees it. ``distributed``
-is imported only when an executor is made (``import sharexec`` and ``get_executor`` never
-load it).
+(the client's pass over a call), ``sending`` (the blobs sent, by digest), ``blobs``
+(bytes sent once, one copy per host: ``_HostBytes``), ``worker`` (what a Dask worker
+runs: ``_run``), ``choice`` (:func:`use_cluster`, :func:`chosen`).
+
+Dask distributed schedules and moves the data; sharexec only decides what to send, once,
+and how each task sees it. ``distributed`` is imported only when an executor is made
+(``import sharexec`` and ``get_executor`` never load it).
 
 Data flow, in the order a submitted call travels::
 

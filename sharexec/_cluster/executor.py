@@ -18,7 +18,6 @@ import signal
 import threading
 import time
 import traceback
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import (
@@ -45,8 +44,9 @@ if TYPE_CHECKING:
     import distributed
 
 
-from .blobs import _digest, _host, _HostBytes, _in_segment, _register_sizeof, _zeros
+from .blobs import _HostBytes, _register_sizeof
 from .packing import _Packer
+from .sending import Sender
 from .worker import _run, _scheduler_holds, _worker_holds
 
 T = TypeVar("T")
@@ -74,54 +74,6 @@ _CLUSTER_LOST = {
     "scheduler-restart": "the cluster was restarted (client.restart())",
     "scheduler-connection-lost": "the client lost its connection to the scheduler",
 }
-
-
-class _Sent:
-    """A blob on the cluster: its Dask future, the calls holding it, and the objects
-    whose bytes it holds (while one lives, a resubmit may find it again); ``copy``, the
-    client's copy of its bytes for the workers of its host (None: sent as bytes).
-
-    Where every worker shares the client's host, nothing is given to Dask (``future``
-    None): each task that uses the blob carries the copy's name itself (``given``).
-    """
-
-    __slots__ = ("calls", "copy", "future", "size", "sources")
-
-    def __init__(self, future: Any, copy: _HostBytes | None, size: int) -> None:
-        self.future = future
-        self.copy = copy  # freed (its segment unlinked) with this record
-        self.size = size  # of the bytes, e.g. 200_000_000
-        self.calls = 0
-        self.sources: list[weakref.ref[Any]] = []
-
-    @property
-    def given(self) -> Any:
-        """What a task is given for the blob: its Dask future, or the copy's name."""
-        return self.copy if self.future is None else self.future
-
-    def release(self) -> None:
-        if self.future is not None:
-            with contextlib.suppress(Exception):  # (its client closed: nothing to free)
-                self.future.release()
-
-
-class _Read:
-    """When an object's bytes were last hashed, and what they were: the call's arguments
-    submitted before then may be served that blob without hashing again."""
-
-    __slots__ = ("address", "at", "digest", "nbytes", "source")
-
-    def __init__(self, source: weakref.ref[Any], address: int, nbytes: int, at: int) -> None:
-        self.source = source
-        self.address = address  # e.g. 140213466341392: where the bytes were
-        self.nbytes = nbytes
-        self.at = at  # the executor's clock when the hash began, e.g. 17
-        self.digest = b""
-
-
-def _address(data: memoryview) -> int:
-    address: int = np.frombuffer(data, np.uint8).__array_interface__["data"][0]
-    return address
 
 
 class _ClusterFuture(Future[T]):
@@ -288,18 +240,11 @@ class ClusterExecutor(Executor):
         # blobs are "sharexec-3f9a…-blob-0", …, its calls "total-sharexec-3f9a…-7".
         self._token = f"sharexec-{os.urandom(8).hex()}"
         self._keys = itertools.count()
-        self._clock = itertools.count()  # orders submits and reads of bytes
-        self._sent: dict[bytes, _Sent] = {}  # blobs on the cluster by digest
-        self._bytes_sent = 0  # the bytes of every blob sent, e.g. 200_000_000
-        self._bytes_reused = 0  # of arguments served a blob sent before
-        self._fallbacks = 0  # copies for this host's workers that shared memory refused
+        self._sender = Sender(self._client, self._token, self._lock)
         self._submitted = 0  # calls submitted
         self._undone: set[Future[Any]] = set()  # of those, the futures not seen done yet
         # Why the executor is broken (see _break), e.g. "the Dask client … is closed…".
         self._broken: str | None = None
-        # When the bytes of each argument array were last hashed, by id of the array,
-        # e.g. {140213: <_Read of 17>}.
-        self._read: dict[int, _Read] = {}
         self._queue: deque[_Call] = deque()  # calls not yet dispatched
         self._running: dict[_ClusterFuture[Any], _Call] = {}  # dispatched and not yet done
         self._in_dask = 0  # of those, given to Dask and not yet finished there
@@ -314,8 +259,6 @@ class ClusterExecutor(Executor):
         self._arrived: list[tuple[_Call, Any]] = []
         self._closer: threading.Thread | None = None  # see _start_closing
         self._threads = -2.0, 1  # (when counted, worker threads): refreshed each second
-        # (when, the workers of this host, whether they are all the cluster's workers)
-        self._local: tuple[float, list[str], bool] = -2.0, [], False
 
     @property
     def client(self) -> distributed.Client:
@@ -346,7 +289,7 @@ class ClusterExecutor(Executor):
                 raise BrokenExecutor(self._broken)
             if self._shut_down:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            self._queue.append(_Call(future, (fn, args, kwargs), next(self._clock)))
+            self._queue.append(_Call(future, (fn, args, kwargs), self._sender.now()))
             self._submitted += 1
             self._undone.add(future)
             if self._dispatcher is None:
@@ -376,9 +319,7 @@ class ClusterExecutor(Executor):
             try:
                 self._pack(call)
                 with self._lock:
-                    blobs = [
-                        self._sent[b].given if isinstance(b, bytes) else b for b in call.blobs
-                    ]
+                    blobs = [self._sender.given(b) for b in call.blobs]
                 remote = self._client.submit(
                     _run,
                     call.payload,
@@ -456,7 +397,7 @@ class ClusterExecutor(Executor):
         never given it)."""
         if not any(isinstance(b, _HostBytes) and b.by_name for b in blobs):
             return {}
-        local = self._local_workers()
+        local = self._sender.local_workers()
         if not local:
             raise SegmentError(
                 "the workers of this host, for which this call's arrays were copied into "
@@ -485,138 +426,7 @@ class ClusterExecutor(Executor):
         arguments = call.arguments()
         call.call = None  # the arguments are read: let go of them
         call.payload = out.getvalue()
-        call.blobs = [self._send(data, call, arguments) for data in buffers]
-
-    def _send(self, data: memoryview, call: _Call, arguments: list[Any]) -> bytes | _HostBytes:
-        """The digest of ``data``'s bytes, now on the cluster (sent unless they were); or,
-        if they are all zeros, a blob that says so, to travel in the task."""
-        source = data.obj
-        address = _address(data)
-        with self._lock:
-            read = self._read.get(id(source))
-            if (  # bytes hashed after the call was submitted, of an argument it was given
-                read is not None
-                and read.source() is source
-                and (read.address, read.nbytes) == (address, data.nbytes)
-                and read.at > call.since
-                and read.digest in self._sent
-                and any(source is a for a in arguments)
-            ):
-                self._sent[read.digest].calls += 1
-                self._bytes_reused += data.nbytes
-                return read.digest
-            at = next(self._clock)
-        if _zeros(data):
-            with self._lock:
-                self._now_holds(source, None)
-            return _HostBytes.of_zeros(data.nbytes)
-        digest, copy = self._hash(data)
-        with self._lock:
-            sent = self._sent.get(digest)
-            if sent is None:
-                sent = self._sent[digest] = self._scatter(digest, data, copy)
-                self._bytes_sent += data.nbytes
-            else:
-                self._bytes_reused += data.nbytes
-            sent.calls += 1
-            self._now_holds(source, digest)
-            with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
-                if not any(ref() is source for ref in sent.sources):
-                    sent.sources.append(weakref.ref(source, partial(self._source_gone, digest)))
-                if any(source is a for a in arguments):
-                    ref = weakref.ref(source, partial(self._read_gone, id(source)))
-                    self._read[id(source)] = read = _Read(ref, address, data.nbytes, at)
-                    read.digest = digest
-        return digest
-
-    def _now_holds(self, source: Any, digest: bytes | None) -> None:
-        """``source`` holds the bytes ``digest`` now (None: zeros), so no other blob is kept
-        for it any more (under self._lock)."""
-        for other, held in list(self._sent.items()):
-            if other != digest:
-                held.sources = [r for r in held.sources if r() is not source]
-                self._maybe_release(other, held)
-
-    def _hash(self, data: memoryview) -> tuple[bytes, tuple[str, Any] | None]:
-        """The digest of ``data``'s bytes; and the client's copy of them for the workers of
-        its host (name and owner of a segment, see _in_segment), written as they are
-        hashed, when they are sure to be sent: no blob of their length is on the cluster
-        (the digest covers the length), and workers share this host."""
-        with self._lock:
-            known = any(sent.size == data.nbytes for sent in self._sent.values())
-        if known or not self._local_workers():
-            return _digest(data), None
-        digests: list[bytes] = []
-        try:
-            copy = _in_segment(data.nbytes, lambda write: digests.append(_digest(data, write)))
-        except SegmentError:  # shared memory short: sent as bytes (see _scatter)
-            return _digest(data), None
-        return digests[0], copy
-
-    def _scatter(self, digest: bytes, data: memoryview, copy: tuple[str, Any] | None) -> _Sent:
-        """Put ``data``'s bytes on the cluster, as the blob ``digest`` (under self._lock).
-
-        When workers share the client's host, the bytes are copied once into a segment
-        of the client's (``copy``, if made already while hashing), and those workers get
-        its name (the copy costs one memcpy, not a trip through a socket per worker). If
-        they are all the cluster's workers, the name goes in each task that uses the
-        blob, and nothing goes to Dask. Otherwise Dask holds the blob: those workers get
-        the name, and a worker elsewhere gets the bytes from one of those. Without a
-        worker on the client's host, the bytes go to one worker (Dask moves them on).
-        """
-        key = f"{self._token}-blob-{next(self._keys)}"
-        local, everyone = self._local_workers(), self._local[2]
-        if local and copy is None:
-            try:
-                copy = _in_segment(data.nbytes, lambda write: write(0, data))
-            except SegmentError:  # shared memory short: as bytes
-                self._fallbacks += 1
-        if not local or copy is None:  # (a copy made while hashing, for workers gone since,
-            blob = _HostBytes(digest, data.nbytes, data)  # is freed)
-            blobs = self._client.scatter({key: blob}, hash=False, direct=self._direct)
-            return _Sent(blobs[key], None, data.nbytes)
-        name, owner = copy
-        mine = _HostBytes(digest, data.nbytes, name=name, owner=owner)
-        if everyone:
-            mine.by_name = True
-            return _Sent(None, mine, data.nbytes)
-        mine.local = True
-        # Broadcast: Dask would move the blob between the workers of this host as bytes.
-        blobs = self._client.scatter(
-            {key: mine}, hash=False, direct=self._direct, workers=local, broadcast=True
-        )
-        return _Sent(blobs[key], mine, data.nbytes)
-
-    def _local_workers(self) -> list[str]:
-        """The addresses of the workers on the client's host (refreshed each second); and,
-        in ``self._local``, whether they are all the cluster's."""
-        counted, workers, _ = self._local
-        now = time.monotonic()
-        if now - counted > 1.0:
-            here = _host()
-            hosts = self._client.run(_host)  # e.g. {"tcp://127.0.0.1:40123": "2f1c…"}
-            workers = sorted(address for address, host in hosts.items() if host == here)
-            self._local = now, workers, len(workers) == len(hosts)
-        return workers
-
-    def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
-        with self._lock:
-            sent = self._sent.get(digest)
-            if sent is not None:
-                sent.sources = [r for r in sent.sources if r is not ref]
-                self._maybe_release(digest, sent)
-
-    def _read_gone(self, key: int, ref: weakref.ref[Any]) -> None:
-        with self._lock:
-            read = self._read.get(key)
-            if read is not None and read.source is ref:
-                del self._read[key]
-
-    def _maybe_release(self, digest: bytes, sent: _Sent) -> None:
-        # Under self._lock. Kept while a call holds it or an object it came from lives.
-        if sent.calls == 0 and (self._shut_down or all(r() is None for r in sent.sources)):
-            del self._sent[digest]
-            sent.release()
+        call.blobs = [self._sender.send(data, call.since, arguments) for data in buffers]
 
     # -- results: in a Dask callback thread, then in the results thread -------------------
 
@@ -670,10 +480,7 @@ class ClusterExecutor(Executor):
             if remote is None:  # it never reached Dask
                 self._in_dask -= 1
             self._running.pop(call.future, None)
-            for blob in call.blobs:
-                if isinstance(blob, bytes) and (sent := self._sent.get(blob)) is not None:
-                    sent.calls -= 1
-                    self._maybe_release(blob, sent)
+            self._sender.let_go(call.blobs)
             call.blobs = []
             self._changed.notify_all()
             idle = self._close_when_idle and not self._running and not self._queue
@@ -824,10 +631,10 @@ class ClusterExecutor(Executor):
                 bytes_in_shared_memory=max(0, owned_bytes - everywhere_bytes),
                 segments_pooled=0,
                 bytes_pooled=0,
-                bytes_copied=self._bytes_sent,
-                bytes_reused=self._bytes_reused,
+                bytes_copied=self._sender.bytes_sent,
+                bytes_reused=self._sender.bytes_reused,
                 bytes_by_reference=0,
-                fallbacks=self._fallbacks,
+                fallbacks=self._sender.fallbacks,
                 tasks_submitted=self._submitted,
                 # Done the moment its state says so (before its callbacks are called).
                 tasks_done=self._submitted - sum(not f.done() for f in self._undone),
@@ -863,7 +670,7 @@ class ClusterExecutor(Executor):
     def _force_shutdown(self, signum: signal.Signals) -> None:
         name = "kill_workers" if signum == signal.SIGKILL else "terminate_workers"
         with self._lock:
-            self._shut_down = True
+            self._shut_down = self._sender.shut_down = True
             queued = [call.future for call in self._queue]
             self._queue.clear()
             remotes = [c.remote for c in self._running.values() if c.remote is not None]
@@ -900,7 +707,7 @@ class ClusterExecutor(Executor):
         closed. Without, that happens when the last call is done.
         """
         with self._lock:
-            self._shut_down = True
+            self._shut_down = self._sender.shut_down = True
             if cancel_futures:
                 while self._queue:
                     self._queue.popleft().future.cancel()
@@ -932,11 +739,7 @@ class ClusterExecutor(Executor):
             if dispatcher is not None:
                 dispatcher.join()
             self._results.shutdown(wait=True)
-            with self._lock:
-                sent, self._sent = list(self._sent.values()), {}
-                self._read = {}
-            for s in sent:
-                s.release()
+            self._sender.release_all()
             # (A cluster of the executor's own is closed: nothing of it is left.)
             if self._client.status == "running" and self._cluster is None:
                 self._await_forgotten()
