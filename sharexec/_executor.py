@@ -197,6 +197,8 @@ class SharedProcessPoolExecutor(LokyExecutor):
             env=self._worker_env,
             max_tasks_per_child=max_tasks_per_child,
             batching=batching,
+            # What workers handed over for results never read is freed then, not at exit.
+            results_closed=partial(_tracking.receiver_closed, self._transport.token),
         )
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:

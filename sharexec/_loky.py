@@ -186,6 +186,11 @@ def _problems() -> list[str]:
         *_uses(pe, "_ExecutorManagerThread.wait_result_broken_or_wakeup", "clear"),
         *_uses(pe, "_ExecutorManagerThread._run_loop", "wait_result_broken_or_wakeup"),
         *_assigns(pe, "_ExecutorManagerThread", "thread_wakeup"),
+        # Every end of the manager's loop closes the result queue in one step, where
+        # what workers handed over for results not read is let go.
+        *_uses(pe, "_ExecutorManagerThread._run_loop", "join_executor_internals"),
+        *_uses(pe, "_ExecutorManagerThread.terminate_broken", "join_executor_internals"),
+        *_uses(pe, "_ExecutorManagerThread.join_executor_internals", "close"),
         *_takes(pe, "_RemoteTraceback.__init__", "self", "tb"),
         *_takes(
             pe,
@@ -435,8 +440,11 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
     """loky's executor, with what sharexec needs of its internals under plain names.
 
     ``max_tasks_per_child`` recycles each worker after that many tasks (loky's constructor
-    has no such argument); the other arguments are loky's. The call and result queues are
-    this module's subclasses of loky's from the start.
+    has no such argument); ``batching``: the policy of calls sent together;
+    ``results_closed``: called by the manager thread once it reads no more results (shut
+    down, broken or terminated), holding no reference to the executor. The other
+    arguments are loky's. The call and result queues are this module's subclasses of
+    loky's from the start.
     """
 
     _queue_count: int  # loky's: the work id of the next call, e.g. 17
@@ -451,9 +459,11 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         env: dict[str, str] | None,
         max_tasks_per_child: int | None,
         batching: BatchPolicy | None = None,
+        results_closed: Callable[[], None] | None = None,
     ) -> None:
         self._max_tasks_per_child = max_tasks_per_child  # read by _setup_queues
         self._batching = batching  # read by _start_executor_manager_thread
+        self._results_closed = results_closed  # and this
         super().__init__(
             max_workers=max_workers,
             context=context,
@@ -608,6 +618,7 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             # calls one by one, which a batch's outcome never needs to follow.
             thread.policy = self._batching
             thread.carry = None
+            thread.results_closed = self._results_closed
             thread.__class__ = _Manager
         if self._max_tasks_per_child is not None:
             # Recycling is asked for: loky's warning about a recycled worker (meant for
@@ -852,6 +863,17 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
 
     policy: BatchPolicy | None  # None: every call goes alone
     carry: int | None  # a work id taken but not sent: it goes first in the next step
+    results_closed: Callable[[], None] | None  # told once no more result is read
+
+    def join_executor_internals(self) -> None:
+        # The last step of every end (shut down, broken, the executor collected, the
+        # interpreter exiting): the result queue is closed, and whatever a worker still
+        # sent will never be read.
+        try:
+            super().join_executor_internals()
+        finally:
+            if self.results_closed is not None:
+                self.results_closed()
 
     def wait_result_broken_or_wakeup(self) -> Any:
         # While this thread is awake, a submit does not write its wake-up (a system call

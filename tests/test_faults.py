@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -820,3 +821,174 @@ def test_shutdown_without_waiting_keeps_no_copy(start_method, no_leaks):
         manager_thread.join(60)
     finally:
         ex.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing held after a worker dies: what a worker handed over goes with its adopter
+# ---------------------------------------------------------------------------------------
+
+HOLDS = """
+def holding():
+    # what this process owns now: the names, and statistics' count of them
+    import gc
+    gc.collect()
+    return sorted(_tracking._owned.sizes)
+
+def hold_until_told(owned):
+    print("holds", *owned, flush=True)
+    sys.stdin.read()  # the test looks at /dev/shm meanwhile, then closes our stdin
+"""
+
+
+def settled(proc: subprocess.Popen, held: set[str], seconds: float = 15.0) -> set[str]:
+    """The scenario's segments left, beyond ``held`` (what its live processes hold), once
+    nothing more goes within ``seconds``: what a dead worker handed over is freed by
+    the sweeper as soon as it hears of the death, not when the program exits."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = segments_now() - _before[proc.pid] - held
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stop", ["sigkill", "terminate_workers", "kill_workers"])
+def test_a_dead_worker_leaves_nothing_for_the_parent(start_method, tmp_path, stop):
+    """Workers stop (one SIGKILLed, all terminated, all killed) while 1 MiB arguments,
+    1 MiB results and shared arrays made in workers flow: what they handed over and the
+    parent will never read is freed at once, not at the program's exit. What the parent
+    holds (the results it got) is what ``segments_live`` counts, and all that is left."""
+    how = {
+        "sigkill": "os.kill(worker, signal.SIGKILL)",
+        "terminate_workers": "ex.terminate_workers()",
+        "kill_workers": "ex.kill_workers()",
+    }[stop]
+    proc = run_scenario(
+        tmp_path,
+        HOLDS
+        + textwrap.dedent(
+            f"""
+        def big(a, i):
+            return np.full(1 << 17, float(i)), sharexec.full(1 << 17, float(i)), os.getpid()
+
+        if __name__ == "__main__":
+            kept = []
+            for round in range(3):
+                ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
+                *first, worker = ex.submit(big, np.ones(1 << 17), 0).result()
+                kept.append(first)
+                futures = [ex.submit(big, np.ones(1 << 17), i) for i in range(120)]
+                futures[5].exception()  # results are flowing back
+                {how}
+                ex.shutdown()
+                kept += [f.result()[:2] for f in futures
+                         if not f.cancelled() and f.exception() is None]
+                del futures
+            exact = all(a[0] == s[0] == a[-1] == s[-1] for a, s in kept)
+            owned = holding()
+            live = ex.statistics().segments_live
+            print("exact", exact, "live", live, "results", len(kept), flush=True)
+            hold_until_told(owned)
+            announce_sweeper()
+        """
+        ),
+        start_method,
+        stdin=subprocess.PIPE,
+    )
+    said = proc.stdout.readline().split()
+    if len(said) != 6:  # the scenario failed: its error
+        finish(proc)
+    exact, live, results = said[1], int(said[3]), int(said[5])
+    owned = set(proc.stdout.readline().split()[1:])
+    left = settled(proc, owned)
+    finish(proc)  # closes its stdin: it exits
+    assert_none_left(left)
+    assert exact == "True"
+    # Two segments per result it holds (the array, the worker's shared array), nothing
+    # else (no argument copy), and statistics counts them.
+    assert live == len(owned) == 2 * results
+    assert_none_left(left_by(proc))
+
+
+def test_a_killed_child_process_frees_the_results_it_held(start_method, tmp_path):
+    """The root forks a child that runs an executor and holds large results (arrays, and
+    shared arrays its workers made); the child is SIGKILLed: what it held is freed while
+    the root lives on. Its workers handed it to the child, not to the root."""
+    proc = run_scenario(
+        tmp_path,
+        HOLDS
+        + textwrap.dedent(
+            """
+        def big(i):
+            return np.full(1 << 17, float(i)), sharexec.full(1 << 17, float(i))
+
+        if __name__ == "__main__":
+            keep = sharexec.zeros(300_000)  # the root starts the sweeper
+            child = os.fork()
+            if child == 0:
+                ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
+                held = [ex.submit(big, i).result() for i in range(3)]
+                print("child", os.getpid(), len(holding()), flush=True)
+                sys.stdin.read()  # until the test kills it
+                os._exit(0)
+            os.waitpid(child, 0)
+            hold_until_told(holding())
+            announce_sweeper()
+        """
+        ),
+        start_method,
+        stdin=subprocess.PIPE,
+    )
+    said = proc.stdout.readline().split()
+    if len(said) != 3:  # the scenario failed: its error
+        finish(proc)
+    child, held = int(said[1]), int(said[2])
+    assert held >= 6, "the child should hold its results"
+    os.kill(child, signal.SIGKILL)
+    owned = set(proc.stdout.readline().split()[1:])  # the root's, once the child is reaped
+    left = settled(proc, owned)
+    finish(proc)
+    assert_none_left(left)
+    assert_none_left(left_by(proc))
+
+
+def test_a_nested_pool_s_results_go_with_the_worker_that_got_them(start_method, tmp_path):
+    """A task runs a pool of its own (``get_executor``) and drops a large result from
+    it, whose segment its pool keeps warm; then its worker is killed (SIGKILL: no
+    cleanup runs): that segment goes with it, while the program lives on."""
+    proc = run_scenario(
+        tmp_path,
+        HOLDS
+        + textwrap.dedent(
+            """
+        def inner(i):
+            return np.full(1 << 17, float(i))
+
+        def outer(i):
+            pool = sharexec.get_executor(1)
+            total = float(pool.submit(inner, i).result().sum())  # the result is dropped
+            return total, len(pool._transport.pool), os.getpid()
+
+        if __name__ == "__main__":
+            ex = sharexec.SharedProcessPoolExecutor(1, mp_context=METHOD)
+            total, pooled, worker = ex.submit(outer, 2).result()
+            os.kill(worker, signal.SIGKILL)
+            ex.shutdown()
+            print("exact", total == 2.0 * (1 << 17), "pooled", pooled, flush=True)
+            hold_until_told(holding())
+            announce_sweeper()
+        """
+        ),
+        start_method,
+        stdin=subprocess.PIPE,
+    )
+    said = proc.stdout.readline().split()
+    if len(said) != 4:  # the scenario failed: its error
+        finish(proc)
+    owned = set(proc.stdout.readline().split()[1:])
+    left = settled(proc, owned)
+    finish(proc)
+    assert_none_left(left)
+    assert said[1] == "True"
+    assert said[3] == "1", "the inner pool should keep the result's segment warm"
+    assert_none_left(left_by(proc))
