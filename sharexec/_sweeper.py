@@ -112,7 +112,7 @@ def sweeper_main(grace: float = WAIT_FOR_MEMBERS, root_pid: int = 0) -> None:
     """The sweeper process: stdin is the line of the root (``root_pid``), fd 3 the
     others' listening socket; ``grace``: how long the workers may outlive the root."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the root
-    _Sweeper(grace, root_pid).run()
+    _Sweeper(grace, root_pid, socket.socket(fileno=LISTENER_FD)).run()
 
 
 class _Sweeper:
@@ -127,12 +127,15 @@ class _Sweeper:
     later is freed as it comes).
     """
 
-    def __init__(self, grace: float, root_pid: int) -> None:
+    def __init__(
+        self, grace: float, root_pid: int, listener: socket.socket, root_fd: int = 0
+    ) -> None:
         self.grace = grace
-        self.listener = socket.socket(fileno=LISTENER_FD)
+        self.listener = listener
         self.listener.setblocking(False)  # accept() takes every pending connection
+        self.root_fd = root_fd
         self.events = selectors.DefaultSelector()
-        self.events.register(0, selectors.EVENT_READ, "root")
+        self.events.register(root_fd, selectors.EVENT_READ, "root")
         self.events.register(self.listener, selectors.EVENT_READ, "listen")
         # What each live process owns, e.g. {"root": {"sharexec-41-Zm9v"}, <socket>: set()}.
         self.owned: dict[object, set[str]] = {"root": set()}
@@ -193,16 +196,20 @@ class _Sweeper:
             if uid != os.getuid():
                 conn.close()
                 continue
-            self.events.register(conn, selectors.EVENT_READ, conn)
-            self.owned[conn] = set()
-            self.pids[conn] = pid
-            self.lines[pid] = conn
+            self.add_line(conn, pid)
+
+    def add_line(self, conn: socket.socket, pid: int) -> None:
+        """Hear the process ``pid`` on ``conn``, from now on."""
+        self.events.register(conn, selectors.EVENT_READ, conn)
+        self.owned[conn] = set()
+        self.pids[conn] = pid
+        self.lines[pid] = conn
 
     def read(self, source: object) -> bool:
         """Act on what ``source`` sent; False once its line is closed."""
         try:
             if source == "root":
-                data = os.read(0, 65536)
+                data = os.read(self.root_fd, 65536)
             else:
                 assert isinstance(source, socket.socket)
                 data = source.recv(65536)

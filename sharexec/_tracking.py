@@ -17,7 +17,10 @@ dead processes left). Its rules:
 * A process that dies runs no finalizer: the *sweeper* (:mod:`sharexec._sweeper`), a
   small process started by the first process of a session to create a segment, learns of
   every segment as it is created, freed or handed over, and unlinks what a dead process
-  still owned.
+  still owned. A segment a worker hands over (:func:`hand_off`) is in flight to the
+  process its result goes to until that process adopts it (:func:`adopt`): freed if
+  that process dies first, or if the executor it was sent for reads no more results
+  (:func:`receiver_closed`).
 
 This process's state lives in three objects: ``_owned`` (what it must free), ``_registry``
 (its shared mappings) and ``_channel`` (its line to the sweeper), each with its own lock.

@@ -992,3 +992,58 @@ def test_a_nested_pool_s_results_go_with_the_worker_that_got_them(start_method, 
     assert said[1] == "True"
     assert said[3] == "1", "the inner pool should keep the result's segment warm"
     assert_none_left(left_by(proc))
+
+
+def test_the_sweeper_hears_sender_and_receiver_in_any_order(no_leaks):
+    """A worker's lines and those of the process its results go to are read in any order
+    (two sockets). A receiver's ``A`` heard before the worker's ``R`` and ``H`` keeps
+    the segment its own; one handed over for a token closed already is freed as it
+    comes; one in flight goes when its token is closed, or when its receiver dies."""
+    import socket
+
+    from sharexec import _segments, _sweeper
+
+    root, root_end = socket.socketpair()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(b"\0sharexec-test-" + os.urandom(12).hex().encode())
+    listener.listen()
+    sweeper = _sweeper._Sweeper(1.0, os.getpid(), listener, root.fileno())
+    worker, worker_end = socket.socketpair()
+    receiver, receiver_end = socket.socketpair()
+    sweeper.add_line(worker, 1_000_001)  # pids of no process: only lines are looked at
+    sweeper.add_line(receiver, 1_000_002)
+    me = os.getpid()  # the root's, as the sweeper knows it
+    made = [_segments.create(4096, _segments.new_name()) for _ in range(4)]
+    adopted, late, closed, orphaned = (m.name for m in made)
+
+    def exists(name: str) -> bool:
+        return name in _segments.listdir()
+
+    try:
+        sweeper.act("root", "A", adopted)  # heard first
+        sweeper.act(worker, "R", adopted)
+        sweeper.act(worker, "H", f"{me} 1 {adopted}")
+        sweeper.act("root", "C", "2")  # closed before the worker's hand-off is heard
+        for name, to, token in [(late, me, 2), (closed, me, 1), (orphaned, 1_000_002, 3)]:
+            sweeper.act(worker, "R", name)
+            sweeper.act(worker, "H", f"{to} {token} {name}")
+        sweeper.gone(worker)  # the worker exits: nothing of this is its own any more
+        assert [exists(name) for name in (adopted, late, closed, orphaned)] == [
+            True,
+            False,
+            True,
+            True,
+        ]
+        sweeper.act("root", "C", "1")
+        assert exists(adopted) and not exists(closed)
+        sweeper.gone(receiver)
+        assert not exists(orphaned)
+        sweeper.gone("root")
+        assert not exists(adopted)
+    finally:
+        for mapping in made:
+            _segments.unlink(mapping.name)
+            mapping.close()
+        for end in (root, root_end, listener, worker_end, receiver_end):
+            end.close()
+        sweeper.events.close()
