@@ -856,8 +856,9 @@ def settled(proc: subprocess.Popen, held: set[str], seconds: float = 15.0) -> se
 def test_a_dead_worker_leaves_nothing_for_the_parent(start_method, tmp_path, stop):
     """Workers stop (one SIGKILLed, all terminated, all killed) while 1 MiB arguments,
     1 MiB results and shared arrays made in workers flow: what they handed over and the
-    parent will never read is freed at once, not at the program's exit. What the parent
-    holds (the results it got) is what ``segments_live`` counts, and all that is left."""
+    parent will never read is freed at once, not at the program's exit, and so is every
+    copy of an argument. What is left is what the results the parent got hold, and
+    ``segments_live`` counts it."""
     how = {
         "sigkill": "os.kill(worker, signal.SIGKILL)",
         "terminate_workers": "ex.terminate_workers()",
@@ -868,8 +869,16 @@ def test_a_dead_worker_leaves_nothing_for_the_parent(start_method, tmp_path, sto
         HOLDS
         + textwrap.dedent(
             f"""
+        from sharexec import _segments
+
         def big(a, i):
             return np.full(1 << 17, float(i)), sharexec.full(1 << 17, float(i)), os.getpid()
+
+        def segment(a):
+            # the segment an array of a result lies in
+            while not isinstance(a, _segments.Mapping):
+                a = a.obj if isinstance(a, memoryview) else a.base
+            return a.name
 
         if __name__ == "__main__":
             kept = []
@@ -887,8 +896,8 @@ def test_a_dead_worker_leaves_nothing_for_the_parent(start_method, tmp_path, sto
             exact = all(a[0] == s[0] == a[-1] == s[-1] for a, s in kept)
             owned = holding()
             live = ex.statistics().segments_live
-            print("exact", exact, "live", live, "results", len(kept), flush=True)
-            hold_until_told(owned)
+            print("exact", exact, "live", live, "owned", len(owned), flush=True)
+            hold_until_told({{segment(a) for result in kept for a in result}})
             announce_sweeper()
         """
         ),
@@ -898,15 +907,13 @@ def test_a_dead_worker_leaves_nothing_for_the_parent(start_method, tmp_path, sto
     said = proc.stdout.readline().split()
     if len(said) != 6:  # the scenario failed: its error
         finish(proc)
-    exact, live, results = said[1], int(said[3]), int(said[5])
-    owned = set(proc.stdout.readline().split()[1:])
-    left = settled(proc, owned)
+    exact, live, owned = said[1], int(said[3]), int(said[5])
+    results = set(proc.stdout.readline().split()[1:])  # the segments its results lie in
+    left = settled(proc, results)
     finish(proc)  # closes its stdin: it exits
     assert_none_left(left)
     assert exact == "True"
-    # Two segments per result it holds (the array, the worker's shared array), nothing
-    # else (no argument copy), and statistics counts them.
-    assert live == len(owned) == 2 * results
+    assert live == owned == len(results)
     assert_none_left(left_by(proc))
 
 
