@@ -142,6 +142,9 @@ class Task:
         function = _function_key(fn)
         lent: Sequence[Mapping] = transport.lend(function)
         names = [(m.name, len(m)) for m in lent]
+        if keep is None and not lent and not self.lent:  # nothing made, nothing to give back
+            self.function = function
+            return load_call, (payload, buffers, names, transport.context())
         # The task may be done meanwhile (a dead worker broke the pool while this thread
         # pickled it): then what was made for it now goes at once, not with the task.
         with transport.handover:
@@ -164,10 +167,12 @@ class Task:
         """
         self.fn = self.args = self.kwargs = None  # first: a send under way sees it
         transport = self.transport
-        with transport.handover:
-            keep, copies, lent = self.keep, self.copies, self.lent
-            self.keep, self.copies, self.lent = (), (), ()
-        _let_go(transport, keep, copies, lent, delivered.released if delivered else frozenset())
+        if self.sent:  # else nothing is stored, nor will be (a send began with `sent`)
+            with transport.handover:
+                keep, copies, lent = self.keep, self.copies, self.lent
+                self.keep, self.copies, self.lent = (), (), ()
+            released = delivered.released if delivered else frozenset()
+            _let_go(transport, keep, copies, lent, released)
         if delivered is not None:
             transport.loans.learn(self.function, delivered.sizes)
 
