@@ -200,6 +200,8 @@ class SharedProcessPoolExecutor(LokyExecutor):
             env=self._worker_env,
             max_tasks_per_child=max_tasks_per_child,
             batching=batching,
+            # What workers handed over for results never read is freed then, not at exit.
+            results_closed=partial(_tracking.receiver_closed, self._transport.token),
         )
         # Its pool of warm segments and the initializer's copies go at shutdown, or as
         # soon as this object is collected if it never was (dropped, as a standard

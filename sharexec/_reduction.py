@@ -461,8 +461,10 @@ class BackwardSink(Sink):
     handed over to the parent, copied on one core.
 
     ``lent``: those segments, ``(name, size)``; ``attach_lent(name, size)`` maps one
-    (the worker keeps that mapping for the next task lent it). Fallbacks are only
-    logged: the parent warns when it receives a result in a file.
+    (the worker keeps that mapping for the next task lent it); ``token``: the receiver
+    of the executor the result goes to (the sweeper holds what is handed over in flight
+    to it). Fallbacks are only logged: the parent warns when it receives a result in a
+    file.
     """
 
     def __init__(
@@ -470,10 +472,12 @@ class BackwardSink(Sink):
         options: Options,
         lent: list[tuple[str, int]],
         attach_lent: Callable[[str, int], Mapping],
+        token: int,
     ) -> None:
         super().__init__(options)
         self.lent = list(lent)
         self.attach_lent = attach_lent
+        self.token = token  # the receiver of the executor the result goes to
 
     def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
         # A shared array this worker allocated goes to the parent's care.
@@ -493,4 +497,4 @@ class BackwardSink(Sink):
         # Only now that the pass succeeded: the result's copies, and the shared arrays
         # this worker allocated, become the parent's to free.
         for mapping in packed.keep:
-            _tracking.hand_off(mapping)
+            _tracking.hand_off(mapping, self.token)

@@ -19,7 +19,10 @@ own (:func:`forget`, :func:`adopt_private`). Its rules:
 * A process that dies runs no finalizer: the *sweeper* (:mod:`sharexec._sweeper`), a
   small process started by the first process of a session to create a segment, learns of
   every segment as it is created, freed or handed over, and unlinks what a dead process
-  still owned.
+  still owned. A segment a worker hands over (:func:`hand_off`) is in flight to the
+  process its result goes to until that process adopts it (:func:`adopt`): freed if
+  that process dies first, or if the executor it was sent for reads no more results
+  (:func:`receiver_closed`).
 
 This process's state lives in three objects: ``_owned`` (what it must free), ``_registry``
 (its shared mappings) and ``_channel`` (its line to the sweeper), each with its own lock.
@@ -64,7 +67,7 @@ from typing import Any
 
 from . import _segments, _sweeper
 from ._segments import Mapping
-from ._sweeper import HAND_OFF, REGISTER, UNREGISTER, WORKER
+from ._sweeper import ADOPT, CLOSED, HAND_OFF, REGISTER, UNREGISTER, WORKER
 from .errors import SegmentError, SharexecWarning
 
 __all__ = [
@@ -87,6 +90,7 @@ __all__ = [
     "new_private",
     "new_shared",
     "owns",
+    "receiver_closed",
     "spilled",
     "sweeper_address",
     "sweeper_lost",
@@ -281,12 +285,24 @@ def owns(mapping: Mapping) -> bool:
     return isinstance(owner, Segment) and owner.owned
 
 
-def hand_off(mapping: Mapping) -> None:
-    """Hand the ownership of a mapping's segment to the process receiving it."""
+def hand_off(mapping: Mapping, token: int) -> None:
+    """Hand the ownership of a mapping's segment to the process receiving it: the one
+    this worker works for, for its receiver ``token`` (see :func:`receiver_closed`).
+
+    Until that process adopts it (:func:`adopt`), the sweeper holds it in flight to it:
+    freed if it dies, or closes ``token``, first.
+    """
     owner = mapping.owner
     if isinstance(owner, Segment) and owner.owned:
         owner.hand_off()
-        _tell(HAND_OFF, mapping.name)
+        _tell(HAND_OFF, mapping.name, _parent_pid or os.getpid(), token)
+
+
+def receiver_closed(token: int) -> None:
+    """This process will adopt nothing more handed to it for ``token`` (an executor that
+    reads no more results): the sweeper frees what is in flight for it, now and later."""
+    if _channel.address is not None:  # else no sweeper was ever reached: nothing was sent
+        _tell(CLOSED, str(token))
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,11 +414,11 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
     mapping = _registry.named(name)
     if mapping is not None:
         if adopt and mapping.owner is None:
-            _own(mapping)  # the sweeper moved it to the root already (H)
+            _adopted(mapping)  # mapped already: a view this process was sent before
     else:
         mapping = _segments.attach(name, size, private=False)
         if adopt:
-            _own(mapping)
+            _adopted(mapping)
         mapping = _registry.add(mapping)
     seen = getattr(_registry.attaching, "shared", None)
     if seen is not None:
@@ -465,7 +481,15 @@ def forget(name: str) -> None:
 
 def adopt(name: str, size: int) -> Mapping:
     """Map a segment another process filled for us alone and handed to us: ours to free."""
-    return _own(_segments.attach(name, size, private=False))
+    return _adopted(_segments.attach(name, size, private=False))
+
+
+def _adopted(mapping: Mapping) -> Mapping:
+    """``mapping``'s segment, handed to this process, is its own to free now: the
+    sweeper frees it if this process dies (not when the session ends)."""
+    _own(mapping)
+    _tell(ADOPT, mapping.name)
+    return mapping
 
 
 def adopt_private(name: str, size: int) -> Mapping:
@@ -535,7 +559,7 @@ class _Channel:
         self.started = 0.0  # in the root, when it started the sweeper (time.monotonic())
         self.backoff = 0.0  # in the root, seconds to wait after a start before the next
 
-    def tell(self, op: str, name: str) -> None:
+    def tell(self, op: str, name: str, *before: int) -> None:
         """Tell the sweeper about a segment, starting or joining one first if needed.
 
         Re-entrant: the garbage collector may run a segment's finalizer (which tells the
@@ -546,7 +570,7 @@ class _Channel:
         sweep after a crash, never a task; the root starts a new one.
         """
         with self.lock:
-            self.outbox.append(_sweeper.encode(op, name))
+            self.outbox.append(_sweeper.encode(op, name, *before))
             self._flush()
 
     def reach(self) -> tuple[bytes, int]:
@@ -693,8 +717,8 @@ _channel = _Channel()
 os.register_at_fork(after_in_child=_channel.after_fork_in_child)
 
 
-def _tell(op: str, name: str) -> None:
-    _channel.tell(op, name)
+def _tell(op: str, name: str, *before: int) -> None:
+    _channel.tell(op, name, *before)
 
 
 def sweeper_address() -> tuple[bytes, int]:
@@ -788,7 +812,7 @@ def _start_sweeper(address: bytes | None) -> tuple[bytes, int, socket.socket]:
     code = (
         "import sys; sys.path[:] = [p for p in sys.path if p]; "
         "from sharexec._sweeper import sweeper_main; "
-        f"sweeper_main({float(_sweeper.WAIT_FOR_MEMBERS)!r})"
+        f"sweeper_main({float(_sweeper.WAIT_FOR_MEMBERS)!r}, {os.getpid()})"
     )
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:  # the sweeper's fd 3
         try:
@@ -825,6 +849,7 @@ def _start_sweeper(address: bytes | None) -> tuple[bytes, int, socket.socket]:
 
 
 _in_worker = False  # set by watch_parent, in every worker as it starts
+_parent_pid = 0  # there, the process it works for: what it hands over goes to it
 
 
 def in_worker() -> bool:
@@ -834,8 +859,9 @@ def in_worker() -> bool:
 
 def watch_parent(parent_pid: int) -> None:
     """In a worker: exit at once if ``parent_pid`` dies, instead of running its queue."""
-    global _in_worker
+    global _in_worker, _parent_pid
     _in_worker = True
+    _parent_pid = parent_pid
     if not hasattr(os, "pidfd_open"):  # pragma: no cover - not Linux
         return
     try:

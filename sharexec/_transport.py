@@ -125,51 +125,79 @@ class Task:
         self.sent = True
         payload = transport.plain_call(fn, args, kwargs)
         buffers: list[BufferRef] = []
+        keep: Sequence[Mapping] | None = None  # the pass's, if the call took it
+        copies: Sequence[Mapping] = ()
         if payload is None:
             # Handed back by a worker that did not start it (see _batching): its copies
             # are still valid snapshots for it, and sending them again is not counted.
-            payload, buffers = self._pass((fn, args, kwargs), counted=not again)
-        transport.loans.take_back(self.lent)
-        self.function = _function_key(fn)
-        self.lent = transport.lend(self.function)
-        lent = [(m.name, len(m)) for m in self.lent]
-        return load_call, (payload, buffers, lent, transport.context())
-
-    def _pass(
-        self, call: tuple[Any, Any, Any], counted: bool = True
-    ) -> tuple[bytes, list[BufferRef]]:
-        """Reduce the call by the pass: its large buffers copied (or reused), held."""
-        _, args, kwargs = call
-        given = frozenset(id(x) for x in (*args, *kwargs.values()) if isinstance(x, np.ndarray))
-        transport = self.transport
-        packed = dumps(call, ForwardSink(transport, self.number, counted=counted), given)
-        if self.keep:  # a previous reduction's
-            recycling.done(self.keep, frozenset())
-        if self.copies:
-            transport.let_go(self.copies, frozenset())
-        self.keep, self.copies = packed.keep, packed.copies  # until release()
-        if self.keep:  # its shared arrays serve no allocation again before release()
-            recycling.sent(self.keep)
-        if self.copies:
-            transport.copies.hold(self.copies)
-        return packed.payload, packed.buffers
+            given = frozenset(
+                id(x) for x in (*args, *kwargs.values()) if isinstance(x, np.ndarray)
+            )
+            sink = ForwardSink(transport, self.number, counted=not again)
+            packed = dumps((fn, args, kwargs), sink, given)
+            payload, buffers, keep, copies = (
+                packed.payload,
+                packed.buffers,
+                packed.keep,
+                packed.copies,
+            )
+            if keep:  # its shared arrays serve no allocation again before release()
+                recycling.sent(keep)
+            if copies:
+                transport.copies.hold(copies)
+        function = _function_key(fn)
+        lent: Sequence[Mapping] = transport.lend(function)
+        names = [(m.name, len(m)) for m in lent]
+        if keep is None and not lent and not self.lent:  # nothing made, nothing to give back
+            self.function = function
+            return load_call, (payload, buffers, names, transport.context())
+        # The task may be done meanwhile (a dead worker broke the pool while this thread
+        # pickled it): then what was made for it now goes at once, not with the task.
+        with transport.handover:
+            done = self.fn is None
+            if not done:
+                self.function = function
+                lent, self.lent = self.lent, lent  # the previous send's loans
+                if keep is not None:
+                    keep, self.keep = self.keep, keep  # the previous send's
+                    copies, self.copies = self.copies, copies
+        _let_go(transport, keep or (), copies, lent)
+        if done:
+            raise AlreadyDone("this task was completed while it was being sent")
+        return load_call, (payload, buffers, names, transport.context())
 
     def release(self, delivered: Delivered | None = None) -> None:
         """Drop the call and its segments, as early as the task is done.
 
         ``delivered``: its result, if it came back (see :class:`~sharexec._wire.Delivered`).
         """
-        self.fn = self.args = self.kwargs = None
+        self.fn = self.args = self.kwargs = None  # first: a send under way sees it
         transport = self.transport
-        if self.keep:  # the shared arrays among them may serve again once collected
-            recycling.done(self.keep, delivered.released if delivered else frozenset())
-        if self.copies:
-            transport.let_go(self.copies, delivered.released if delivered else frozenset())
-        self.keep, self.copies = (), ()
-        transport.loans.take_back(self.lent)
-        self.lent = ()
+        if self.sent:  # else nothing is stored, nor will be (a send began with `sent`)
+            with transport.handover:
+                keep, copies, lent = self.keep, self.copies, self.lent
+                self.keep, self.copies, self.lent = (), (), ()
+            released = delivered.released if delivered else frozenset()
+            _let_go(transport, keep, copies, lent, released)
         if delivered is not None:
             transport.loans.learn(self.function, delivered.sizes)
+
+
+def _let_go(
+    transport: Transport,
+    keep: Sequence[Mapping],
+    copies: Sequence[Mapping],
+    lent: Sequence[Mapping],
+    released: frozenset[str] = frozenset(),
+) -> None:
+    """A task let go of these: the shared arrays among them may serve again once
+    collected, the copies may be pooled (``released``: those its worker no longer maps),
+    the loans its result did not come back in are free again."""
+    if keep:
+        recycling.done(keep, released)
+    if copies:
+        transport.let_go(copies, released)
+    transport.loans.take_back(lent)
 
 
 def _function_key(fn: Callable[..., Any]) -> tuple[str, str] | None:
@@ -199,6 +227,8 @@ class Transport:
         # made: a copy made after a task was submitted is a valid snapshot for it.
         self._numbers = count()
         self._lock = threading.RLock()  # see the module's docstring
+        # Hands a task's segments between the thread sending it and the one releasing it.
+        self.handover = threading.Lock()
         self.functions = Functions(self)
         self.copies = CopyCache(self.number)
         self.pool = SegmentPool(pool_limit())

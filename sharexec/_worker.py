@@ -226,7 +226,7 @@ def _pack(
             return Reply(payload, [], released, token, lost=_tracking.sweeper_lost())
     from ._reduction import BackwardSink, dumps  # NumPy is needed (or loaded already)
 
-    packed = dumps(result, BackwardSink(options, lent, kept.attach_lent))
+    packed = dumps(result, BackwardSink(options, lent, kept.attach_lent, token))
     lost = _tracking.sweeper_lost()  # the pass may have created segments
     return Reply(packed.payload, packed.buffers, released, token, packed.keep, lost)
 

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -928,3 +929,236 @@ def test_doctor_in_another_pid_namespace_keeps_a_live_array(tmp_path, no_leaks):
     finally:
         _segments.unlink(dead)
         del a
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing held after a worker dies: what a worker handed over goes with its adopter
+# ---------------------------------------------------------------------------------------
+
+HOLDS = """
+def holding():
+    # what this process owns now: the names, and statistics' count of them
+    import gc
+    gc.collect()
+    return sorted(_tracking._owned.sizes)
+
+def hold_until_told(owned):
+    print("holds", *owned, flush=True)
+    sys.stdin.read()  # the test looks at /dev/shm meanwhile, then closes our stdin
+"""
+
+
+def settled(proc: subprocess.Popen, held: set[str], seconds: float = 15.0) -> set[str]:
+    """The scenario's segments left, beyond ``held`` (what its live processes hold), once
+    nothing more goes within ``seconds``: what a dead worker handed over is freed by
+    the sweeper as soon as it hears of the death, not when the program exits."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = segments_now() - _before[proc.pid] - held
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stop", ["sigkill", "terminate_workers", "kill_workers"])
+def test_a_dead_worker_leaves_nothing_for_the_parent(start_method, tmp_path, stop):
+    """Workers stop (one SIGKILLed, all terminated, all killed) while 1 MiB arguments,
+    1 MiB results and shared arrays made in workers flow: what they handed over and the
+    parent will never read is freed at once, not at the program's exit, and so is every
+    copy of an argument. What is left is what the results the parent got hold, and
+    ``segments_live`` counts it."""
+    how = {
+        "sigkill": "os.kill(worker, signal.SIGKILL)",
+        "terminate_workers": "ex.terminate_workers()",
+        "kill_workers": "ex.kill_workers()",
+    }[stop]
+    proc = run_scenario(
+        tmp_path,
+        HOLDS
+        + textwrap.dedent(
+            f"""
+        from sharexec import _segments
+
+        def big(a, i):
+            return np.full(1 << 17, float(i)), sharexec.full(1 << 17, float(i)), os.getpid()
+
+        def segment(a):
+            # the segment an array of a result lies in
+            while not isinstance(a, _segments.Mapping):
+                a = a.obj if isinstance(a, memoryview) else a.base
+            return a.name
+
+        if __name__ == "__main__":
+            kept = []
+            for round in range(3):
+                ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
+                *first, worker = ex.submit(big, np.ones(1 << 17), 0).result()
+                kept.append(first)
+                futures = [ex.submit(big, np.ones(1 << 17), i) for i in range(120)]
+                futures[5].exception()  # results are flowing back
+                {how}
+                ex.shutdown()
+                kept += [f.result()[:2] for f in futures
+                         if not f.cancelled() and f.exception() is None]
+                del futures
+            exact = all(a[0] == s[0] == a[-1] == s[-1] for a, s in kept)
+            owned = holding()
+            live = ex.statistics().segments_live
+            print("exact", exact, "live", live, "owned", len(owned), flush=True)
+            hold_until_told({{segment(a) for result in kept for a in result}})
+            announce_sweeper()
+        """
+        ),
+        start_method,
+        stdin=subprocess.PIPE,
+    )
+    said = proc.stdout.readline().split()
+    if len(said) != 6:  # the scenario failed: its error
+        finish(proc)
+    exact, live, owned = said[1], int(said[3]), int(said[5])
+    results = set(proc.stdout.readline().split()[1:])  # the segments its results lie in
+    left = settled(proc, results)
+    finish(proc)  # closes its stdin: it exits
+    assert_none_left(left)
+    assert exact == "True"
+    assert live == owned == len(results)
+    assert_none_left(left_by(proc))
+
+
+def test_a_killed_child_process_frees_the_results_it_held(start_method, tmp_path):
+    """The root forks a child that runs an executor and holds large results (arrays, and
+    shared arrays its workers made); the child is SIGKILLed: what it held is freed while
+    the root lives on. Its workers handed it to the child, not to the root."""
+    proc = run_scenario(
+        tmp_path,
+        HOLDS
+        + textwrap.dedent(
+            """
+        def big(i):
+            return np.full(1 << 17, float(i)), sharexec.full(1 << 17, float(i))
+
+        if __name__ == "__main__":
+            keep = sharexec.zeros(300_000)  # the root starts the sweeper
+            child = os.fork()
+            if child == 0:
+                ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
+                held = [ex.submit(big, i).result() for i in range(3)]
+                print("child", os.getpid(), len(holding()), flush=True)
+                sys.stdin.read()  # until the test kills it
+                os._exit(0)
+            os.waitpid(child, 0)
+            hold_until_told(holding())
+            announce_sweeper()
+        """
+        ),
+        start_method,
+        stdin=subprocess.PIPE,
+    )
+    said = proc.stdout.readline().split()
+    if len(said) != 3:  # the scenario failed: its error
+        finish(proc)
+    child, held = int(said[1]), int(said[2])
+    assert held >= 6, "the child should hold its results"
+    os.kill(child, signal.SIGKILL)
+    owned = set(proc.stdout.readline().split()[1:])  # the root's, once the child is reaped
+    left = settled(proc, owned)
+    finish(proc)
+    assert_none_left(left)
+    assert_none_left(left_by(proc))
+
+
+def test_a_nested_pool_s_results_go_with_the_worker_that_got_them(start_method, tmp_path):
+    """A task runs a pool of its own (``get_executor``) and drops a large result from
+    it, whose segment its pool keeps warm; then its worker is killed (SIGKILL: no
+    cleanup runs): that segment goes with it, while the program lives on."""
+    proc = run_scenario(
+        tmp_path,
+        HOLDS
+        + textwrap.dedent(
+            """
+        def inner(i):
+            return np.full(1 << 17, float(i))
+
+        def outer(i):
+            pool = sharexec.get_executor(1)
+            total = float(pool.submit(inner, i).result().sum())  # the result is dropped
+            return total, len(pool._transport.pool), os.getpid()
+
+        if __name__ == "__main__":
+            ex = sharexec.SharedProcessPoolExecutor(1, mp_context=METHOD)
+            total, pooled, worker = ex.submit(outer, 2).result()
+            os.kill(worker, signal.SIGKILL)
+            ex.shutdown()
+            print("exact", total == 2.0 * (1 << 17), "pooled", pooled, flush=True)
+            hold_until_told(holding())
+            announce_sweeper()
+        """
+        ),
+        start_method,
+        stdin=subprocess.PIPE,
+    )
+    said = proc.stdout.readline().split()
+    if len(said) != 4:  # the scenario failed: its error
+        finish(proc)
+    owned = set(proc.stdout.readline().split()[1:])
+    left = settled(proc, owned)
+    finish(proc)
+    assert_none_left(left)
+    assert said[1] == "True"
+    assert said[3] == "1", "the inner pool should keep the result's segment warm"
+    assert_none_left(left_by(proc))
+
+
+def test_the_sweeper_hears_sender_and_receiver_in_any_order(no_leaks):
+    """A worker's lines and those of the process its results go to are read in any order
+    (two sockets). A receiver's ``A`` heard before the worker's ``R`` and ``H`` keeps
+    the segment its own; one handed over for a token closed already is freed as it
+    comes; one in flight goes when its token is closed, or when its receiver dies."""
+    import socket
+
+    from sharexec import _segments, _sweeper
+
+    root, root_end = socket.socketpair()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(b"\0sharexec-test-" + os.urandom(12).hex().encode())
+    listener.listen()
+    sweeper = _sweeper._Sweeper(1.0, os.getpid(), listener, root.fileno())
+    worker, worker_end = socket.socketpair()
+    receiver, receiver_end = socket.socketpair()
+    sweeper.add_line(worker, 1_000_001)  # pids of no process: only lines are looked at
+    sweeper.add_line(receiver, 1_000_002)
+    me = os.getpid()  # the root's, as the sweeper knows it
+    made = [_segments.create(4096, _segments.new_name()) for _ in range(4)]
+    adopted, late, closed, orphaned = (m.name for m in made)
+
+    def exists(name: str) -> bool:
+        return name in _segments.listdir()
+
+    try:
+        sweeper.act("root", "A", adopted)  # heard first
+        sweeper.act(worker, "R", adopted)
+        sweeper.act(worker, "H", f"{me} 1 {adopted}")
+        sweeper.act("root", "C", "2")  # closed before the worker's hand-off is heard
+        for name, to, token in [(late, me, 2), (closed, me, 1), (orphaned, 1_000_002, 3)]:
+            sweeper.act(worker, "R", name)
+            sweeper.act(worker, "H", f"{to} {token} {name}")
+        sweeper.gone(worker)  # the worker exits: nothing of this is its own any more
+        assert [exists(name) for name in (adopted, late, closed, orphaned)] == [
+            True,
+            False,
+            True,
+            True,
+        ]
+        sweeper.act("root", "C", "1")
+        assert exists(adopted) and not exists(closed)
+        sweeper.gone(receiver)
+        assert not exists(orphaned)
+        sweeper.gone("root")
+        assert not exists(adopted)
+    finally:
+        for mapping in made:
+            _segments.unlink(mapping.name)
+            mapping.close()
+        for end in (root, root_end, listener, worker_end, receiver_end):
+            end.close()
+        sweeper.events.close()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import queue
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from loky import process_executor
@@ -194,6 +194,17 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
 
     policy: BatchPolicy | None  # None: every call goes alone
     carry: int | None  # a work id taken but not sent: it goes first in the next step
+    results_closed: Callable[[], None] | None  # told once no more result is read
+
+    def join_executor_internals(self) -> None:
+        # The last step of every end (shut down, broken, the executor collected, the
+        # interpreter exiting): the result queue is closed, and whatever a worker still
+        # sent will never be read.
+        try:
+            super().join_executor_internals()
+        finally:
+            if self.results_closed is not None:
+                self.results_closed()
 
     def wait_result_broken_or_wakeup(self) -> Any:
         # While this thread is awake, a submit does not write its wake-up (a system call

@@ -84,6 +84,11 @@ def _problems() -> list[str]:
         *_uses(pe, "_ExecutorManagerThread.wait_result_broken_or_wakeup", "clear"),
         *_uses(pe, "_ExecutorManagerThread._run_loop", "wait_result_broken_or_wakeup"),
         *_assigns(pe, "_ExecutorManagerThread", "thread_wakeup"),
+        # Every end of the manager's loop closes the result queue in one step, where
+        # what workers handed over for results not read is let go.
+        *_uses(pe, "_ExecutorManagerThread._run_loop", "join_executor_internals"),
+        *_uses(pe, "_ExecutorManagerThread.terminate_broken", "join_executor_internals"),
+        *_uses(pe, "_ExecutorManagerThread.join_executor_internals", "close"),
         # remote_traceback: the standard library's, as its executor gives it.
         *_takes(futures_process, "_RemoteTraceback.__init__", "self", "tb"),
         *_takes(

@@ -42,8 +42,11 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
     """loky's executor, with what sharexec needs of its internals under plain names.
 
     ``max_tasks_per_child`` recycles each worker after that many tasks (loky's constructor
-    has no such argument); the other arguments are loky's. The call and result queues are
-    this module's subclasses of loky's from the start.
+    has no such argument); ``batching``: the policy of calls sent together;
+    ``results_closed``: called by the manager thread once it reads no more results (shut
+    down, broken or terminated), holding no reference to the executor. The other
+    arguments are loky's. The call and result queues are of :mod:`sharexec._loky.queues`'
+    classes from the start.
     """
 
     _queue_count: int  # loky's: the work id of the next call, e.g. 17
@@ -58,9 +61,11 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         env: dict[str, str] | None,
         max_tasks_per_child: int | None,
         batching: BatchPolicy | None = None,
+        results_closed: Callable[[], None] | None = None,
     ) -> None:
         self._max_tasks_per_child = max_tasks_per_child  # read by _setup_queues
         self._batching = batching  # read by _start_executor_manager_thread
+        self._results_closed = results_closed  # and this
         super().__init__(
             max_workers=max_workers,
             context=context,
@@ -235,6 +240,7 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             # would have to copy. Its attributes are those of loky's class.
             thread.policy = self._batching
             thread.carry = None
+            thread.results_closed = self._results_closed
             thread.__class__ = _Manager
         if self._max_tasks_per_child is not None:
             # Recycling is asked for: loky's warning about a recycled worker (meant for
