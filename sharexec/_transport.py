@@ -425,6 +425,8 @@ class Functions:
                 return self._payloads[fn]
         ref = self._pickle(fn)
         with self._lock:
+            if fn in self._payloads:  # another thread was first: its segments may be in use
+                return self._payloads[fn]
             self._payloads[fn] = ref
         return ref
 
@@ -486,6 +488,7 @@ class ForwardSink(Sink):
         self.task = task
         self.cache_functions = cache_functions
         self.counted = counted
+        self.held: list[Mapping] = []  # the segments of the functions sent by them
 
     def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
         # What the task can reach through this view: its elements, and never more than
@@ -525,6 +528,9 @@ class ForwardSink(Sink):
             self.transport.counts.add(what, n)
 
     def done(self, packed: Packed) -> None:
+        # The task holds the segments of the functions it sends by them (a function
+        # made while pickling may be collected before the worker maps them).
+        packed.keep.extend(self.held)
         # A buffer in a segment an earlier buffer of this pass went to shares that copy
         # (a second view of one base: a.T after a): a copy avoided. The first buffer in
         # each segment was copied there, or reused from an earlier call (see place()).
@@ -547,7 +553,10 @@ class ForwardSink(Sink):
         if not self.cache_functions:
             return None
         ref = self.transport.functions.payload(fn)
-        return None if ref is None else ref.__reduce__()
+        if ref is None:
+            return None
+        self.held.extend(ref.keep)
+        return ref.__reduce__()
 
 
 class _FunctionSink(ForwardSink):

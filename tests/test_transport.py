@@ -860,3 +860,31 @@ def test_a_function_s_segments_go_at_shutdown_while_it_lives(start_method, scrip
         assert segments_now() - before, "the function's pickle lies in a segment"
     assert not segments_now() - before
     assert script.fitness  # it lives on
+
+
+class _Fresh:
+    """Pickles as a new function object each time, made while the call is pickled."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __reduce__(self) -> Any:
+        import operator
+        import types
+
+        fn = self.fn
+        fresh = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__)
+        return operator.itemgetter(0), ((fresh,),)
+
+
+def test_a_function_made_while_pickling_keeps_its_segments_until_its_call_is_done(
+    executor, script
+):
+    # Collected once the call is pickled: its call still finds the segments it names.
+    import operator
+
+    expected = (len(script.DATA), 3.0, float(script.DATA[-1]))
+    futures = [
+        executor.submit(operator.call, _Fresh(script.fitness), [1.0, 2.0]) for _ in range(6)
+    ]
+    assert [f.result() for f in futures] == [expected] * 6
