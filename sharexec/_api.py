@@ -54,7 +54,8 @@ class Statistics:
     bytes_copied : int
         Bytes of arguments copied into shared memory, one memcpy each: a large private
         array (or its part a task can see) once per copy made, a gappy view
-        (``img[:1024, :1024]``) once, compactly.
+        (``img[:1024, :1024]``) once, compactly; and a function sent by value with large
+        globals (its pickle, the arrays among them), once per executor.
     bytes_reused : int
         Bytes of arguments sent from a copy that already held them, instead of copying
         them again: the same unchanged array submitted again while its copy lived, or

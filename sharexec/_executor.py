@@ -370,30 +370,34 @@ class SharedProcessPoolExecutor(LokyExecutor):
 def _close_transport(
     transport: Transport, init_task: Task | None, pending: dict[int, Any]
 ) -> None:
-    """An executor is shut down or collected: drop its pool of warm segments, and release
-    the initializer's call (its copies) once the calls ``pending`` (loky's work items, by
-    id) are done.
+    """An executor is shut down or collected: drop its pool of warm segments, and once
+    the calls ``pending`` (loky's work items, by id) are done, the segments of its
+    functions and the initializer's call (its copies).
 
-    Shut down, the pool starts a worker (which needs the initializer's call) only to
-    replace one while calls are pending: none is, after the last of them. Not before:
-    that would keep its copies in /dev/shm for as long as the executor lives.
+    Shut down, the pool starts a worker (which needs the initializer's call, and maps
+    the functions' segments) only to replace one while calls are pending: none is,
+    after the last of them. Not before: that would keep them in /dev/shm for as long
+    as the executor lives.
     """
     transport.close()
-    if init_task is None:
-        return
     futures = [item.future for item in list(pending.values())]
     left = [len(futures)]
     lock = threading.Lock()
+
+    def all_done() -> None:
+        transport.done()
+        if init_task is not None:
+            init_task.release()
 
     def one_done(_: Future[Any]) -> None:
         with lock:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            init_task.release()
+            all_done()
 
     if not futures:
-        init_task.release()
+        all_done()
     for future in futures:
         future.add_done_callback(one_done)  # at once if it is done already
 

@@ -10,7 +10,8 @@ imports NumPy, :mod:`sharexec._arrays` or :mod:`sharexec._reduction`. It owns
   ``ForkingPickler``, then cloudpickle's and copyreg's);
 * plain values (:func:`is_plain`): calls and results made only of them hold no buffer
   and skip the passes;
-* functions sent by their cached pickle (:func:`load_function`, a cache per worker);
+* functions sent by their cached pickle, or by the segments it was copied into once
+  (:func:`load_function`, a cache per worker);
 * the globals of functions sent by value: one namespace per module in each worker
   (:func:`share_globals`, :func:`namespace`), as one import of the module would give;
 * the reply envelope: a worker's :class:`Reply`, which the parent unpickles as
@@ -70,7 +71,7 @@ BufferRef = tuple[str, int, int, int]
 
 
 def loads(
-    payload: bytes,
+    payload: bytes | memoryview,
     buffers: list[BufferRef],
     attach: Callable[[str, int], Any],
     mapped: dict[str, Any] | None = None,
@@ -198,23 +199,42 @@ def is_plain(value: Any) -> bool:
     return False
 
 
-# In a worker: functions already unpickled, by their pickle (most recent last),
-# e.g. {b"\x80\x05...": <function square>}.
-_functions: OrderedDict[bytes, Any] = OrderedDict()
+# In a worker: functions already unpickled, by their pickle or by the segment it lies in
+# (most recent last), e.g. {b"\x80\x05...": <function square>, "sharexec-41-Zm9v": <function
+# fitness>}. A segment's name is never given to another while the parent holds it.
+_functions: OrderedDict[bytes | str, Any] = OrderedDict()
 _FUNCTIONS_KEPT = 256
 
 
-def load_function(payload: bytes) -> Any:
+def load_function(payload: bytes | tuple[BufferRef, ...]) -> Any:
     """Unpickle a function sent by its cached pickle, once per worker (in its module's
-    namespace there, if it was sent by value: see :func:`share_globals`)."""
-    fn = _functions.get(payload)
+    namespace there, if it was sent by value: see :func:`share_globals`).
+
+    ``payload``: the pickle, or where it lies in a segment followed by its out-of-band
+    buffers (large globals), each segment mapped copy-on-write at the first call only:
+    what the worker changes in them stays its own.
+    """
+    key = payload if isinstance(payload, bytes) else payload[0][0]
+    fn = _functions.get(key)
     if fn is None:
-        fn = _functions[payload] = pickle.loads(payload)
+        if isinstance(payload, bytes):
+            fn = pickle.loads(payload)
+        else:
+            (name, size, offset, length), *buffers = payload
+            mapped: dict[str, Any] = {}
+            pickled = mapped[name] = _attach_copy(name, size)
+            fn = loads(pickled[offset : offset + length], buffers, _attach_copy, mapped)
+        _functions[key] = fn
         if len(_functions) > _FUNCTIONS_KEPT:
             _functions.popitem(last=False)
     else:
-        _functions.move_to_end(payload)
+        _functions.move_to_end(key)
     return fn
+
+
+def _attach_copy(name: str, size: int) -> memoryview:
+    """The bytes of the copy segment ``name``, mapped copy-on-write."""
+    return memoryview(_tracking.attach_private(name, size))
 
 
 # ---------------------------------------------------------------------------------------

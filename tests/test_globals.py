@@ -314,3 +314,57 @@ def test_functions_of_no_module_keep_globals_of_their_own() -> None:
     two = pickle.loads(_wire.dumps_sharing_globals(scope["f"]))
     assert one() == two() == 1
     assert one.__globals__ is not two.__globals__
+
+
+LARGE_GLOBALS = """
+import concurrent.futures
+import json
+import multiprocessing
+import sys
+
+import numpy as np
+
+import sharexec
+
+DATA = np.zeros(100_000)  # 800 KB: sent through shared memory
+SMALL = [0.0]
+
+
+def first(_):
+    return float(DATA[0]), SMALL[0]
+
+
+def main(impl, method):
+    if impl == "stdlib":
+        context = multiprocessing.get_context("spawn" if method in ("default", "loky") else method)
+        ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1)
+    else:
+        mp_context = None if method == "default" else method
+        ex = sharexec.SharedProcessPoolExecutor(1, mp_context=mp_context, max_tasks_per_child=1)
+    with ex:
+        out = {"first worker": ex.submit(first, 0).result()}
+        DATA[0] = SMALL[0] = 5.0  # after the function was first sent
+        out["next worker"] = ex.submit(first, 0).result()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_function_with_large_globals_carries_them_as_first_sent(
+    start_method: str | None, tmp_path: Path, no_leaks: None
+) -> None:
+    # Each call has a new worker (max_tasks_per_child=1): its namespace is made from the
+    # globals the function had when the executor first sent it, as for any function,
+    # whatever the size of its globals (an array copied once into shared memory).
+    if start_method == "fork":
+        pytest.skip("max_tasks_per_child is refused with fork")
+    script = tmp_path / "script.py"
+    script.write_text(LARGE_GLOBALS)
+    method = method_id(start_method)
+    ours = run_script(script, "sharexec", method)
+    assert ours == {"first worker": [0.0, 0.0], "next worker": [0.0, 0.0]}
+    assert ours == run_script(script, "stdlib", method)
