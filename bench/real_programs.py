@@ -311,6 +311,10 @@ def pool_medians(record: dict[str, Any]) -> dict[str, tuple[float, float | None]
     return out
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def fmt(x: float | None, digits: str = ".3g", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{digits}}{suffix}"
 
@@ -419,9 +423,9 @@ def run_line(record: dict[str, Any]) -> str:
         f"{record['date']}: {record['cpus']} CPUs, Python {v['python']}, NumPy {v['numpy']}, "
         f"SciPy {v['scipy']}, scikit-image {v['scikit-image']}, numba {v['numba']}, loky "
         f"{v['loky']}, sharexec at commit `{v.get('sharexec_commit', v['sharexec'])}`; "
-        f"2 workers, {a['reps']} repetitions of each program and {a['pool_reps']} of the "
-        f"pools (medians), scale {a['scale']:g}; load before: {record['load_before']}; "
-        f"after: {record['load_after']}; {record['wall_s']:.0f} s.\n"
+        f"2 workers, {plural(a['reps'], 'repetition')} of each program and "
+        f"{a['pool_reps']} of the pools (medians), scale {a['scale']:g}; load before: "
+        f"{record['load_before']}; after: {record['load_after']}; {record['wall_s']:.0f} s.\n"
     )
 
 
