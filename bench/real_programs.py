@@ -266,6 +266,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def paired(ours: list[float], theirs: list[float]) -> float | None:
+    """The median of the ratios of the runs of one repetition (close in time, so that a
+    change of the machine's load falls on both)."""
+    pairs = [a / b for a, b in zip(ours, theirs, strict=False) if b]
+    return statistics.median(pairs) if pairs else None
+
+
 def geomean(values: list[float]) -> float | None:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
@@ -283,6 +290,9 @@ def summary(record: dict[str, Any]) -> dict[str, Any]:
                 "wall": walls,
                 "main": mains,
                 "ratio": ratio(walls.get("sharexec"), walls.get("stdlib")),
+                "paired": paired(
+                    entry["wall"].get("sharexec", []), entry["wall"].get("stdlib", [])
+                ),
                 "main_ratio": ratio(mains.get("sharexec"), mains.get("stdlib")),
                 "same_ratio": ratio(walls.get("sharexec"), walls.get(same_method))
                 if same_method
@@ -292,9 +302,11 @@ def summary(record: dict[str, Any]) -> dict[str, Any]:
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
     same = [r["same_ratio"] for r in rows if r["same_ratio"] is not None]
     mains = [r["main_ratio"] for r in rows if r["main_ratio"] is not None]
+    pairs = [r["paired"] for r in rows if r["paired"] is not None]
     return {
         "rows": rows,
         "geomean": geomean(ratios),
+        "geomean_paired": geomean(pairs),
         "geomean_same": geomean(same),
         "geomean_main": geomean(mains),
         "slowest": max(ratios) if ratios else None,
@@ -334,6 +346,7 @@ def programs_table(record: dict[str, Any]) -> str:
         f"stdlib, {default} (s)",
         "sharexec (s)",
         "sharexec / stdlib",
+        "paired",
         "the same, in main()",
     ]
     if same_method:
@@ -350,12 +363,14 @@ def programs_table(record: dict[str, Any]) -> str:
                 fmt(row["wall"].get("stdlib")),
                 fmt(row["wall"].get("sharexec")),
                 fmt(row["ratio"], ".2f", "x"),
+                fmt(row["paired"], ".2f", "x"),
                 fmt(row["main_ratio"], ".2f", "x"),
             ]
             if same_method:
                 cells += [fmt(row["wall"].get(same_method)), fmt(row["same_ratio"], ".2f", "x")]
         lines.append("| " + " | ".join(cells) + " |")
     last = ["**geometric mean**", "", "", "", "", fmt(s["geomean"], ".2f", "x")]
+    last += [fmt(s["geomean_paired"], ".2f", "x")]
     last += [fmt(s["geomean_main"], ".2f", "x")]
     if same_method:
         last += ["", fmt(s["geomean_same"], ".2f", "x")]
@@ -487,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
     print(programs_verdict(record))
     print(
         "Times: the wall time of the program's whole process (its interpreter, imports, "
-        "pool and exit), median. *the same, in main()*: the ratio of the medians of "
+        "pool and exit), median. *paired*: the median of the ratios of the runs of one "
+        "repetition (close in time). *the same, in main()*: the ratio of the medians of "
         "`main()` alone (from the script's imports done to its result; sharexec's "
         "import not included).\n"
     )
