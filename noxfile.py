@@ -206,11 +206,25 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmark suite against its peers (``bench/run.py``); not a default session.
 
-    Installs the ``bench`` extra (joblib, mpire, psutil, matplotlib). Takes several
+    Installs the ``bench`` extra (joblib, mpire, psutil, matplotlib, ...). Takes several
     minutes; e.g. ``nox -s bench -- --scale 0.25 --reps 3`` for a quicker run.
     """
     session.install(".[bench]")
     session.run("python", "bench/run.py", *session.posargs)
+
+
+@nox.session(name="bench-real", default=False)
+def bench_real(session: nox.Session) -> None:
+    """Run real programs with sharexec and the standard library (``bench/real_programs.py``).
+
+    Installs the ``bench`` extra (the programs use SciPy, scikit-image and numba). Each
+    program runs in a fresh process per repetition, with each executor's defaults and
+    the standard library under forkserver; then the first pool of a process. About ten
+    minutes; e.g. ``nox -s bench-real -- --programs images,jit --reps 5``, or ``-- --json
+    docs/bench-real-results.json`` then ``python bench/render.py`` to publish a run.
+    """
+    session.install(".[bench]")
+    session.run("python", "bench/real_programs.py", *session.posargs)
 
 
 @nox.session(name="bench-cluster", default=False)

@@ -7,9 +7,10 @@ The pages hold the figures in blocks between two markers::
     <!-- /bench:NAME -->
 
 and this script rewrites what lies between them from the results file the marker names,
-so that the figures of every page come from the same run and cannot drift apart. Two
+so that the figures of every page come from the same run and cannot drift apart. Three
 runs are published: ``docs/bench-results.json`` (``bench/run.py``, the suite against its
-peers) and ``docs/bench-torch-results.json`` (``bench/torch_bench.py``, PyTorch tensors).
+peers), ``docs/bench-torch-results.json`` (``bench/torch_bench.py``, PyTorch tensors) and
+``docs/bench-real-results.json`` (``bench/real_programs.py``, whole programs).
 The test suite (``tests/test_docs.py``) fails if a block differs from what this script
 renders.
 
@@ -17,11 +18,13 @@ Usage::
 
     python bench/run.py --json docs/bench-results.json   # a new run, to publish
     python bench/torch_bench.py --json docs/bench-torch-results.json
+    python bench/real_programs.py --json docs/bench-real-results.json
     python bench/render.py                                # rewrite every block
     python bench/render.py --check                        # exit 1 if a block is stale
 
-Imports only the standard library (and ``run.py`` and ``torch_bench.py`` beside it, whose
-tables it reuses; neither imports torch or sharexec at import time).
+Imports only the standard library (and ``run.py``, ``torch_bench.py`` and
+``real_programs.py`` beside it, whose tables it reuses; none imports torch or sharexec at
+import time).
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch_bench  # beside this file
+import real_programs  # beside this file
+import torch_bench
 from run import W1_MIB, Row, table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "bench-results.json"
 TORCH_RESULTS = ROOT / "docs" / "bench-torch-results.json"
+REAL_RESULTS = ROOT / "docs" / "bench-real-results.json"
 # The pages with rendered blocks.
 PAGES = [
     ROOT / "docs" / "performance.md",
@@ -368,6 +373,68 @@ def torch_measured_block(run: TorchRun) -> str:
     )
 
 
+# ---------------------------------------------------------------------------------------
+# The real programs' run (bench/real_programs.py)
+# ---------------------------------------------------------------------------------------
+
+
+def real_summary_block(record: dict[str, Any]) -> str:
+    s = real_programs.summary(record)
+    rows = [r for r in s["rows"] if r["ratio"] is not None]
+    slowest = max(rows, key=lambda r: r["ratio"])
+    fastest = min(rows, key=lambda r: r["ratio"])
+    default = record["stdlib_default_method"]
+    same_method = (record["args"]["same_method"] or "").removeprefix("stdlib-")
+    return (
+        f"- **Real programs** ({len(rows)} scripts, each run whole in a fresh process, "
+        f"[below](#real-programs)): against the standard library's executor with its "
+        f"defaults ({default}), sharexec's time is {s['geomean']:.2f} times the standard "
+        f"library's (geometric mean), from {fastest['ratio']:.2f} times "
+        f"({fastest['entry']['program']}) to {slowest['ratio']:.2f} times "
+        f"({slowest['entry']['program']})"
+        + (
+            f"; against the standard library under {same_method} "
+            f"(no fork of the parent either), {s['geomean_same']:.2f} times"
+            if s["geomean_same"] is not None
+            else ""
+        )
+        + ".\n"
+    )
+
+
+def real_run_block(record: dict[str, Any]) -> str:
+    v = record["versions"]
+    a = record["args"]
+    load = f"{one_minute_load(record['load_before'])} and {one_minute_load(record['load_after'])}"
+    return (
+        f"The figures below are from one run of `python bench/real_programs.py` (scale "
+        f"{a['scale']:g}, {real_programs.plural(a['reps'], 'repetition')} of each program, "
+        f"{a['pool_reps']} of the pools) on {record['date']}: Linux with {record['cpus']} "
+        f"CPUs, Python {v['python']}, NumPy {v['numpy']}, SciPy {v['scipy']}, scikit-image "
+        f"{v['scikit-image']}, numba {v['numba']}, loky {v['loky']}, sharexec at commit "
+        f"`{v['sharexec_commit']}`; its results file is "
+        "[docs/bench-real-results.json](bench-real-results.json). "
+        + (
+            f"**The machine was busy with other jobs** (load average {load} before and "
+            f"after the run, on {record['cpus']} CPUs; {record['wall_s']:.0f} s of wall "
+            "time): every process waited for the CPUs, so only ratios of the same run "
+            "mean something, and close ones do not tell the two executors apart.\n"
+            if busy(record)
+            else f"The machine was shared with other jobs (load average {load} before and "
+            f"after the run, {record['wall_s']:.0f} s of wall time), so differences of less "
+            "than about 10% are noise.\n"
+        )
+    )
+
+
+def real_programs_block(record: dict[str, Any]) -> str:
+    return real_programs.programs_table(record) + "\n" + real_programs.programs_verdict(record)
+
+
+def real_pools_block(record: dict[str, Any]) -> str:
+    return real_programs.pools_table(record)
+
+
 # Each block: the results file it renders from, and how.
 BLOCKS: dict[str, tuple[Path, Callable[[Any], str]]] = {
     "summary": (RESULTS, summary_block),
@@ -382,6 +449,10 @@ BLOCKS: dict[str, tuple[Path, Callable[[Any], str]]] = {
     "torch-wall": (TORCH_RESULTS, torch_wall_block),
     "torch-cpu": (TORCH_RESULTS, torch_cpu_block),
     "torch-measured": (TORCH_RESULTS, torch_measured_block),
+    "real-summary": (REAL_RESULTS, real_summary_block),
+    "real-run": (REAL_RESULTS, real_run_block),
+    "real-programs": (REAL_RESULTS, real_programs_block),
+    "real-pools": (REAL_RESULTS, real_pools_block),
 }
 
 
@@ -393,9 +464,20 @@ def load_torch(path: Path = TORCH_RESULTS) -> TorchRun:
     return TorchRun(json.loads(path.read_text(encoding="utf-8")))
 
 
-def load_all(results: Path = RESULTS, torch_results: Path = TORCH_RESULTS) -> dict[Path, Any]:
+def load_real(path: Path = REAL_RESULTS) -> dict[str, Any]:
+    record: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return record
+
+
+def load_all(
+    results: Path = RESULTS, torch_results: Path = TORCH_RESULTS, real_results: Path = REAL_RESULTS
+) -> dict[Path, Any]:
     """Every published run, by the results file its blocks name."""
-    return {RESULTS: load(results), TORCH_RESULTS: load_torch(torch_results)}
+    return {
+        RESULTS: load(results),
+        TORCH_RESULTS: load_torch(torch_results),
+        REAL_RESULTS: load_real(real_results),
+    }
 
 
 def render(text: str, runs: dict[Path, Any]) -> str:
@@ -428,9 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="?", type=Path, default=RESULTS)
     p.add_argument("--torch-results", type=Path, default=TORCH_RESULTS)
+    p.add_argument("--real-results", type=Path, default=REAL_RESULTS)
     p.add_argument("--check", action="store_true", help="only tell whether a block is stale")
     args = p.parse_args(argv)
-    runs = load_all(args.results, args.torch_results)
+    runs = load_all(args.results, args.torch_results, args.real_results)
     if args.check:
         pages = stale(runs)
         for page in pages:
