@@ -26,7 +26,7 @@ The two directions are deliberately asymmetric:
 
 * forward (parent → worker), ``_transport.ForwardSink``: copies are owned by the parent,
   made in warm segments of its pool when it has some, on several cores, counted for
-  ``statistics()``, and reused for the same bytes while alive (``_transport.CopyCache``);
+  ``statistics()``, and reused for the same bytes while alive (``_copies.CopyCache``);
   the worker maps them copy-on-write, so its writes stay private.
 * backward (worker → parent), :class:`BackwardSink`: the worker copies a large result
   into a warm segment the parent lent the task, or a fresh one, on one core (the other

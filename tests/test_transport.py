@@ -295,9 +295,9 @@ def test_changed_array_is_never_served_a_stale_copy(executor):
 def test_large_copies_and_comparisons_run_in_slices_and_miss_no_byte(executor, monkeypatch):
     """Copies and comparisons of 16 MiB or more run on several cores in the parent: a
     change in the last slice is seen, and every byte of every slice arrives."""
-    from sharexec import _transport
+    from sharexec import _copies
 
-    monkeypatch.setattr(_transport, "_CORES", 3)  # 3 slices, even on a 2-core machine
+    monkeypatch.setattr(_copies, "_CORES", 3)  # 3 slices, even on a 2-core machine
     a = np.random.default_rng(5).random(6_000_000 + 3)  # 48 MB and a ragged end
     a_sum = float(a.sum())
     from multiprocessing import get_context
@@ -314,10 +314,10 @@ def test_large_copies_and_comparisons_run_in_slices_and_miss_no_byte(executor, m
 
 
 def test_a_slice_that_fails_fails_the_whole_and_every_slice_ends_first(monkeypatch):
-    from sharexec import _transport
+    from sharexec import _copies
 
-    monkeypatch.setattr(_transport, "_CORES", 4)
-    n = 4 * _transport._PARALLEL_SLICE + 5
+    monkeypatch.setattr(_copies, "_CORES", 4)
+    n = 4 * _copies._PARALLEL_SLICE + 5
     seen: list[tuple[int, int]] = []
 
     def work(low: int, high: int) -> bool:
@@ -327,7 +327,7 @@ def test_a_slice_that_fails_fails_the_whole_and_every_slice_ends_first(monkeypat
         return True
 
     with pytest.raises(OSError, match="last slice"):
-        _transport._in_parallel(n, work)
+        _copies._in_parallel(n, work)
     seen.sort()
     assert len(seen) == 4 and seen[0][0] == 0 and seen[-1][1] == n
     assert all(high == low for (_, high), (low, _) in itertools.pairwise(seen))
@@ -338,13 +338,13 @@ def test_a_copy_serves_tasks_submitted_before_it_as_is_and_later_ones_once_compa
 ) -> None:
     """A copy made after a task was submitted is a snapshot of that task's
     argument, taken no later than the stdlib would; a later task's bytes are compared."""
-    from sharexec import _transport
+    from sharexec import _copies, _transport
     from sharexec._config import Options
 
     compared: list[int] = []
-    same_bytes = _transport._same_bytes
+    same_bytes = _copies._same_bytes
     monkeypatch.setattr(
-        _transport, "_same_bytes", lambda a, b, n: compared.append(n) or same_bytes(a, b, n)
+        _copies, "_same_bytes", lambda a, b, n: compared.append(n) or same_bytes(a, b, n)
     )
     transport = _transport.Transport(Options.resolve({}))
     a = np.ones(LARGE)
