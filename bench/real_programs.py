@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from console import log, uptime
+
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM_DIR = ROOT / "bench" / "real"
 
@@ -125,17 +127,6 @@ FIRST_POOL_SYSTEMS = ["sharexec", "stdlib-fork", "stdlib-forkserver", "stdlib-sp
 SLOWEST_RATIO = 1.10  # no program slower than the stdlib's default by more than 10%
 GEOMEAN_RATIO = 0.90
 LATER_POOLS_RATIO = 1.5  # later pools against the stdlib's fork
-
-
-def log(*parts: object) -> None:
-    print(*parts, file=sys.stderr, flush=True)
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "load average: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
 
 
 def versions() -> dict[str, str]:

@@ -50,12 +50,13 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from console import log, uptime
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -114,17 +115,6 @@ class Row:
     @property
     def cpu_median(self) -> float | None:
         return statistics.median(self.cpu) if self.cpu else None
-
-
-def log(*parts: object) -> None:
-    print(*parts, file=sys.stderr, flush=True)
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "load average: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
 
 
 class Inputs:

@@ -8,11 +8,11 @@ SIGKILLs one of the pool's workers while results flow back, as a crash or the OO
 would. A pool broken by the death is shut down and replaced by a new one, as a service
 would do on ``BrokenProcessPool``; the calls it lost are counted, never retried.
 
-Every ``--report-every`` seconds (and at the end, after the last pool is shut down and
-garbage collected) it prints one line: the segments in ``/dev/shm`` (or file-backed
-segments) named after this process or any process it started, their bytes, this
-process's open descriptors and its resident memory. What must hold: all three flat from
-the first report to the last, and no segment at the end.
+Every ``--report-every`` seconds, at the end (after the last pool is shut down and
+garbage collected) and once nothing is left (or 30 s later) it prints one line: the
+segments in ``/dev/shm`` named after this process or any process it started, their
+bytes, this process's open descriptors and its resident memory. What must hold: all
+three flat from the first report to the last, and no segment once settled.
 """
 
 from __future__ import annotations
@@ -156,6 +156,12 @@ def main() -> None:
             del pending, executor
     gc.collect()
     report("end")
+    # What results were in flight when a pool broke is freed by the sweeper once it hears
+    # that their executor reads no more results: a moment later, not at once.
+    settle = time.monotonic() + 30
+    while our_segments(pids)[0] and time.monotonic() < settle:
+        time.sleep(0.1)
+    report("settled")
 
 
 if __name__ == "__main__":

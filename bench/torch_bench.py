@@ -44,23 +44,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from console import log, uptime
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROOT = Path(__file__).resolve().parent.parent
 
 MiB = 1 << 20
 SYSTEMS = ["stdlib", "torch.mp.Pool", "sharexec", "sharexec/torch"]
-
-
-def log(*parts: object) -> None:
-    print(*parts, file=sys.stderr, flush=True)
-
-
-def load() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "load average: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,7 +280,7 @@ def main() -> None:
     workloads = args.workloads.split(",")
     systems = [s for s in SYSTEMS if s != "sharexec/torch" or args.torch_road]
     log(f"torch {torch.__version__}, sharexec {run_versions['sharexec']}, {args.start_method}")
-    load_before = load()
+    load_before = uptime()
     log(f"before: {load_before}")
     results: dict[str, dict[str, list[float]]] = {w: {} for w in workloads}
     cpu_results: dict[str, dict[str, list[float]]] = {w: {} for w in workloads}
@@ -316,7 +307,7 @@ def main() -> None:
     finally:
         for pool in pools.values():
             pool.close()
-    load_after = load()
+    load_after = uptime()
     log(f"after: {load_after}")
     record = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
