@@ -18,11 +18,12 @@ three flat from the first report to the last, and no segment once settled.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import signal
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -37,6 +38,17 @@ PREFIX = "sharexec-"
 def big_and_pid(i: int) -> tuple[np.ndarray, int]:
     """A 1 MiB result, and the worker that made it."""
     return np.full(1 << 17, i, dtype=np.float64), os.getpid()
+
+
+def take(finished: set[Future[tuple[np.ndarray, int]]], workers: set[int], pids: set[int]) -> int:
+    """Check the results of ``finished`` and note their workers; how many there were.
+    (A function of its own, so that no result outlives it in a local variable.)"""
+    for future in finished:
+        result, worker = future.result()
+        assert result[0] == result[-1]
+        workers.add(worker)
+        pids.add(worker)
+    return len(finished)
 
 
 def descendants(pid: int) -> set[int]:
@@ -55,6 +67,17 @@ def descendants(pid: int) -> set[int]:
                     found.add(child)
                     todo.append(child)
     return found
+
+
+def our_names(pids: set[int]) -> list[str]:
+    """The names of the segments that carry one of ``pids`` in their name."""
+    names = []
+    for entry in os.scandir(SHM):
+        if entry.name.startswith(PREFIX):
+            pid = entry.name[len(PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and int(pid) in pids:
+                names.append(entry.name)
+    return names
 
 
 def our_segments(pids: set[int]) -> tuple[int, int]:
@@ -128,13 +151,8 @@ def main() -> None:
                     pending.add(executor.submit(big_and_pid, i))
                     i += 1
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    result, worker = future.result()  # BrokenProcessPool: a new pool
-                    assert result[0] == result[-1]
-                    workers.add(worker)
-                    pids.add(worker)
-                    done += 1
-                    del result
+                done += take(finished, workers, pids)  # BrokenProcessPool: a new pool
+                del finished  # nothing of a result outlives this step
                 now = time.monotonic()
                 if now >= next_kill and workers:
                     next_kill = now + args.kill_every
@@ -154,6 +172,8 @@ def main() -> None:
             pids.update(descendants(os.getpid()))
             executor.shutdown(wait=True, cancel_futures=True)
             del pending, executor
+            with contextlib.suppress(NameError):
+                del finished  # the futures of the step a broken pool failed
     gc.collect()
     report("end")
     # What results were in flight when a pool broke is freed by the sweeper once it hears
@@ -162,6 +182,8 @@ def main() -> None:
     while our_segments(pids)[0] and time.monotonic() < settle:
         time.sleep(0.1)
     report("settled")
+    for name in sorted(our_names(pids)):  # what is left, if anything, to look into
+        print(f"left: {name}", flush=True)
 
 
 if __name__ == "__main__":
