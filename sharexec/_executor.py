@@ -55,17 +55,19 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from functools import partial
 from multiprocessing.context import BaseContext
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _tracking
 from ._api import Statistics, map_calls
 from ._batching import Batching
-from ._cluster import ClusterExecutor, chosen
 from ._config import Options
 from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context, warm_context
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, Failure, dumps_sharing_globals
 from ._worker import run, run_batch, run_chunk, run_initializer
+
+if TYPE_CHECKING:  # imported by get_executor only: asyncio and all, ~0.1 s
+    from ._cluster import ClusterExecutor
 
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
@@ -662,6 +664,8 @@ def get_executor(
         The executor; use ``submit`` and ``map`` as usual.
     """
     global _process_wide
+    from ._cluster import chosen  # here, not at import: a pool's start does not wait for it
+
     cluster = chosen()
     if cluster is not None:
         return cluster
