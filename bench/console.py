@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def log(*parts: object) -> None:
@@ -19,3 +20,16 @@ def uptime() -> str:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return "load average: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
+
+
+def commit(root: Path) -> str:
+    """The checkout's commit as ``git describe --always --dirty`` says it ("" without
+    git), e.g. "8b66752-dirty": every published run names the code it measured."""
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return ""

@@ -38,7 +38,6 @@ Prints a markdown table; writes every figure to ``--json`` (default
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib.metadata
 import importlib.util
@@ -55,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from console import log, uptime
+from console import commit, log, uptime
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM_DIR = ROOT / "bench" / "real"
@@ -136,12 +135,7 @@ def versions() -> dict[str, str]:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[dist] = "not installed"
-    with contextlib.suppress(OSError):
-        out["sharexec_commit"] = subprocess.run(
-            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+    out["sharexec_commit"] = commit(ROOT)
     return out
 
 

@@ -49,14 +49,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from console import log, uptime
+from console import commit, log, uptime
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -553,12 +552,7 @@ def versions() -> dict[str, str]:
             out[module] = __import__(module).__version__
         except Exception as e:  # pragma: no cover - reported, not fatal
             out[module] = f"unavailable: {e}"
-    with contextlib.suppress(OSError):
-        out["sharexec_commit"] = subprocess.run(
-            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+    out["sharexec_commit"] = commit(ROOT)
     return out
 
 

@@ -37,14 +37,13 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from console import log, uptime
+from console import commit, log, uptime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -221,11 +220,7 @@ def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for module in ("torch", "numpy", "loky", "sharexec"):
         out[module] = __import__(module).__version__
-    out["sharexec_commit"] = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    out["sharexec_commit"] = commit(ROOT)
     return out
 
 

@@ -293,6 +293,28 @@ def segments_now() -> Segments:
     return names
 
 
+@contextlib.contextmanager
+def module_by_value(name: str, source: str) -> Iterator[types.ModuleType]:
+    """A module made of ``source``, pickled by value (as a script's ``__main__`` is);
+    dropped afterwards with the namespace this process made of it, its globals cleared
+    (pytest holds a fixture's value until every teardown is done)."""
+    import cloudpickle
+
+    from sharexec import _wire
+
+    module = types.ModuleType(name)
+    exec(source, module.__dict__)
+    sys.modules[name] = module
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        yield module
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        del sys.modules[name]
+        _wire._namespaces.pop(name, None)
+        module.__dict__.clear()
+
+
 def method_id(method: str | None) -> str:
     """A start method as a test id or a script's argument: ``default`` for None."""
     return "default" if method is None else method

@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import pytest
-from conftest import method_id
+from conftest import method_id, module_by_value
 
 from sharexec import _wire
 
@@ -269,17 +268,8 @@ def limit():
 def by_value_module() -> Iterator[types.ModuleType]:
     """A module pickled by value (as ``__main__`` is), dropped afterwards with the
     namespace this process made of it."""
-    name = f"sharexec_test_by_value_{os.getpid()}"
-    module = types.ModuleType(name)
-    exec(MODULE, module.__dict__)
-    sys.modules[name] = module
-    cloudpickle.register_pickle_by_value(module)
-    try:
+    with module_by_value(f"sharexec_test_by_value_{os.getpid()}", MODULE) as module:
         yield module
-    finally:
-        cloudpickle.unregister_pickle_by_value(module)
-        del sys.modules[name]
-        _wire._namespaces.pop(name, None)
 
 
 def test_the_rule_of_what_a_later_pickle_adds(by_value_module: types.ModuleType) -> None:

@@ -800,25 +800,11 @@ def script(request: pytest.FixtureRequest, no_leaks: None) -> Any:
     """A module pickled by value (as a script's ``__main__`` is), with 800 KB of globals;
     dropped afterwards, with this process's namespace of it (before ``no_leaks`` looks:
     the segments its function was sent by go with it)."""
-    import sys
-    import types
-
-    import cloudpickle
-
-    from sharexec import _wire
+    from conftest import module_by_value
 
     name = f"sharexec_test_globals_{request.param}_{os.getpid()}"
-    module = types.ModuleType(name)
-    exec(SCRIPT.format(data=SCRIPT_DATA[request.param]), module.__dict__)
-    sys.modules[name] = module
-    cloudpickle.register_pickle_by_value(module)
-    try:
+    with module_by_value(name, SCRIPT.format(data=SCRIPT_DATA[request.param])) as module:
         yield module
-    finally:
-        cloudpickle.unregister_pickle_by_value(module)
-        del sys.modules[name]
-        _wire._namespaces.pop(name, None)
-        module.__dict__.clear()  # pytest holds the module until every teardown is done
 
 
 def _call_bytes(transport: Any, fn: Any, *args: Any) -> int:
