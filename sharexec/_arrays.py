@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 from loky.backend import reduction as loky_reduction
 
-from . import _segments, _tracking
+from . import _segments, _session, _tracking
 from ._config import DEFAULT_MIN_SHARE_BYTES, Options
 from ._segments import Mapping
 from ._warm import SegmentPool, pool_limit
@@ -311,7 +311,7 @@ class Recycling:
         nobody would unlink but the sweeper. Not below ``DEFAULT_MIN_SHARE_BYTES``.
         """
         holder = np.frombuffer(mapping, np.uint8)
-        if _tracking.in_worker() or len(mapping) < DEFAULT_MIN_SHARE_BYTES:
+        if _session.in_worker() or len(mapping) < DEFAULT_MIN_SHARE_BYTES:
             # Small ones too are freed at once: their fresh pages cost microseconds, and
             # the pool's places (WARM_SEGMENTS) are for the large ones.
             return holder

@@ -57,7 +57,7 @@ from functools import partial
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import _tracking
+from . import _session
 from ._api import Statistics, map_calls
 from ._batching import Batching
 from ._config import Options
@@ -181,7 +181,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
         # share (run_initializer), e.g. [b"\x80\x05..."].
         self._init_pickled: list[bytes] = []
         self._forks = context.get_start_method() == "fork"
-        initargs = (os.getpid(), self._init_task, _tracking.SweeperAddress(), self._init_pickled)
+        initargs = (os.getpid(), self._init_task, _session.SweeperAddress(), self._init_pickled)
         initializer = run_initializer
         self._sweeper_reached = False  # see submit
         # One lock guards the state of the futures of this executor that have none of
@@ -203,7 +203,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
             max_tasks_per_child=max_tasks_per_child,
             batching=batching,
             # What workers handed over for results never read is freed then, not at exit.
-            results_closed=partial(_tracking.receiver_closed, self._transport.token),
+            results_closed=partial(_session.receiver_closed, self._transport.token),
         )
         # Its pool of warm segments and the initializer's copies go at shutdown, or as
         # soon as this object is collected if it never was (dropped, as a standard
@@ -250,7 +250,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
 
     def _workers_started(self, pids: list[int]) -> None:
         # The sweeper ends them if they outlive this process (stopped, they cannot).
-        _tracking.workers_started(pids)
+        _session.workers_started(pids)
 
     def statistics(self) -> Statistics:
         """What this executor moved, and how: proof that sharing happens.
@@ -264,7 +264,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
         counts = self._transport.counts
         pooled, pooled_bytes = self._transport.pool.totals()
         # The process's own segments less every executor's pool: those holding data.
-        owned, owned_bytes = _tracking.live()
+        owned, owned_bytes = _session.live()
         everywhere, everywhere_bytes = pooled_everywhere()
         return Statistics(
             segments_live=max(0, owned - everywhere),

@@ -2,9 +2,9 @@
 
 A process that dies runs no finalizer. So the first process of a session to create a
 segment (the *root*, usually the program running the executor) starts the sweeper
-(``_tracking._start_sweeper``), which outlives it, and every process of the session tells
+(``_session._start_sweeper``), which outlives it, and every process of the session tells
 it what it owns. This module is the sweeper's side; the tellers' side is
-:mod:`sharexec._tracking`.
+:mod:`sharexec._session`.
 
 The protocol, one line per event, ``<op> <name>\\n`` in UTF-8, where a name is a segment's
 name, the path of a file-backed segment, or the path of a folder of them (numbers an
@@ -29,7 +29,7 @@ as fd 3, bound in Linux's abstract namespace (no file), e.g.
 ``b"\\0sharexec-sweeper-<24 hex digits>"``; workers receive the address when they start
 and with their tasks. Only connections of the sweeper's own user are heard. Nothing is
 ever sent back. A process announces everything it still owns each time it opens a new
-line (``_tracking``): so a sweeper started again after the first one died (the root
+line (``_session``): so a sweeper started again after the first one died (the root
 restarts it) learns what the lines of the dead one had told it.
 
 When a connection closes (its process exited or died), the sweeper unlinks what that
@@ -44,7 +44,7 @@ credentials); a receiver with no line yet is watched through a pidfd.
 
 When the root's line closes, the sweeper unlinks everything the root owned and waits for
 the other processes to go: workers exit with the root
-(``_tracking.watch_parent``), but a stopped (SIGSTOP) or stuck one cannot, so workers
+(``_session.watch_parent``), but a stopped (SIGSTOP) or stuck one cannot, so workers
 still there after the grace period (``WAIT_FOR_MEMBERS`` seconds) are killed (SIGKILL,
 through a pidfd taken when their ``W`` was heard: never another process that reused the
 pid). Then it unlinks what is left, and exits. It never unlinks a name without sharexec's
@@ -52,7 +52,7 @@ prefix.
 
 The sweeper runs ``python -S`` and loads nothing but this module, the standard library,
 :mod:`sharexec._segments` and :mod:`sharexec.errors`: it must never import
-:mod:`sharexec._tracking`.
+:mod:`sharexec._tracking` or :mod:`sharexec._session`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ __all__ = [
     "WAIT_FOR_MEMBERS",
     "WORKER",
     "encode",
-    "sweeper_main",  # named in the command line _tracking starts the sweeper with
+    "sweeper_main",  # named in the command line _session starts the sweeper with
 ]
 
 # ---------------------------------------------------------------------------------------

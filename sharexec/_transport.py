@@ -45,7 +45,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _tracking, _wire
+from . import _session, _tracking, _wire
 from ._arrays import recycling
 from ._config import Options
 from ._copies import CopyCache, Counts, ResultLoans, _in_parallel
@@ -242,7 +242,7 @@ class Transport:
         when the root started a new sweeper): the options, the address of the session's
         sweeper (started if need be) and its generation, and the token by which results
         find this transport (see ``_worker.load_call``)."""
-        sweeper = _tracking.sweeper_address()
+        sweeper = _session.sweeper_address()
         if self._context is None or sweeper != self._context_sweeper:
             about = (self.options, sweeper, self.token)
             self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)

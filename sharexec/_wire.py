@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Protocol
 
 import cloudpickle
 
-from . import _tracking
+from . import _session, _tracking
 from ._loky import DISPATCH_TABLE, FORKING_REDUCERS, remote_traceback
 from .errors import ResultError
 
@@ -427,7 +427,7 @@ def load_result(
         return Failure(_rebuild_error("the task's result could not be rebuilt here", exc))
     finally:
         if lost:
-            _tracking.check_sweeper()
+            _session.check_sweeper()
     sizes: dict[str, int] = {}
     for name, _, offset, length in buffers:
         sizes[name] = max(sizes.get(name, 0), offset + length)

@@ -38,7 +38,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
-from . import _loky, _segments, _tracking
+from . import _loky, _segments, _session, _tracking
 from ._config import KEPT_MAPPINGS, WARM_BYTES, WARM_IDLE_SECONDS, Options
 from ._segments import Mapping
 from ._wire import BufferRef, Pickler, Raised, Reply, is_plain, loads
@@ -59,7 +59,7 @@ __all__ = [
 def run_initializer(
     parent_pid: int,
     call: Any,
-    sweeper: _tracking.SweeperAddress,
+    sweeper: _session.SweeperAddress,
     forked: list[bytes],
 ) -> None:
     """Set up a new worker: it dies with its parent, and what it creates is the session's
@@ -72,7 +72,7 @@ def run_initializer(
     is, it would run in the worker's copy of its module, and the calls' functions in
     the namespace they share; unpickled, it runs there too.
     """
-    _tracking.watch_parent(parent_pid)
+    _session.watch_parent(parent_pid)
     sweeper.join()
     _loky.count_private_memory_only()
     if call is None:
@@ -105,7 +105,7 @@ def load_call(
     options, (sweeper, generation), token = _context(context)
     # Segments this worker creates are the root's sweeper's to sweep: a new one if the
     # root started one again.
-    _tracking.join_sweeper(sweeper, generation)
+    _session.join_sweeper(sweeper, generation)
     holders: dict[str, Any] = {}
     shared_holders: dict[str, Any] = {}  # the holders of this call's shared views
     kept.drop_unlinked()
@@ -215,7 +215,7 @@ def _pack(
         kept.after_task(released)
     if shared:
         released += [name for name, ref in shared if ref() is None]
-    lost = _tracking.sweeper_lost()  # the root restarts the sweeper if it is gone
+    lost = _session.sweeper_lost()  # the root restarts the sweeper if it is gone
     if is_plain(result):
         if not mapped and not shared and not lost:  # nothing to tell but the value
             return result
@@ -223,11 +223,11 @@ def _pack(
     if "numpy" not in sys.modules:
         payload = _dumps_in_band(result, options)
         if payload is not None:
-            return Reply(payload, [], released, token, lost=_tracking.sweeper_lost())
+            return Reply(payload, [], released, token, lost=_session.sweeper_lost())
     from ._reduction import BackwardSink, dumps  # NumPy is needed (or loaded already)
 
     packed = dumps(result, BackwardSink(options, lent, kept.attach_lent, token))
-    lost = _tracking.sweeper_lost()  # the pass may have created segments
+    lost = _session.sweeper_lost()  # the pass may have created segments
     return Reply(packed.payload, packed.buffers, released, token, packed.keep, lost)
 
 
@@ -242,7 +242,7 @@ def load_batch(ids: list[int], context: bytes, functions: bytes, entries: list[A
     are pickled once in ``functions``, and what :func:`load_call` rebuilt for the others.
     """
     options, (sweeper, generation), token = _context(context)
-    _tracking.join_sweeper(sweeper, generation)
+    _session.join_sweeper(sweeper, generation)
     try:
         loaded: Any = pickle.loads(functions)
     except Exception as exc:  # each call of these functions fails with it, alone

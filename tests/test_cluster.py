@@ -37,7 +37,7 @@ distributed = pytest.importorskip(
 
 from conftest import drop_warm_arrays, segments_now  # noqa: E402
 
-from sharexec import _cluster, _segments, _tracking, _worker  # noqa: E402
+from sharexec import _cluster, _segments, _session, _worker  # noqa: E402
 from sharexec.errors import SegmentError  # noqa: E402
 
 dask = pytest.importorskip("dask")
@@ -69,7 +69,7 @@ def client() -> Iterator[Any]:
 def _worker_segments() -> tuple[int, int]:
     """In a worker: the segments it owns now (count, bytes), after a collection."""
     gc.collect()
-    return _tracking.live()
+    return _session.live()
 
 
 def _shm_listing() -> list[tuple[str, int]]:

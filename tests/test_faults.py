@@ -32,7 +32,7 @@ PRELUDE = """
 import faulthandler, os, signal, sys
 import numpy as np
 import sharexec
-from sharexec import _tracking
+from sharexec import _session, _tracking
 from concurrent.futures.process import BrokenProcessPool
 
 METHOD = None if sys.argv[1] == "default" else sys.argv[1]  # None: sharexec's default
@@ -70,7 +70,7 @@ def started():
         f.read()
 
 def announce_sweeper():
-    print("sweeper", _tracking._channel.sweeper_pid, flush=True)
+    print("sweeper", _session._channel.sweeper_pid, flush=True)
 """
 
 
@@ -253,7 +253,7 @@ def test_ctrl_c_in_map(start_method, tmp_path):
             with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
                 try:
                     print("sweeper",
-                          _tracking.sweeper_address() and _tracking._channel.sweeper_pid,
+                          _session.sweeper_address() and _session._channel.sweeper_pid,
                           flush=True)
                     list(ex.map(f, [np.ones(500_000)] * 6))
                 except KeyboardInterrupt:
@@ -393,7 +393,7 @@ def test_a_dead_sweeper_fails_nothing(start_method, tmp_path):
 
         if __name__ == "__main__":
             keep = sharexec.zeros(300_000)  # the sweeper starts
-            sweeper = _tracking._channel.sweeper_pid
+            sweeper = _session._channel.sweeper_pid
             os.kill(sweeper, signal.SIGKILL)
             os.waitpid(sweeper, 0)
             more = sharexec.ones(300_000)
@@ -417,10 +417,10 @@ def test_a_sweeper_out_of_reach_is_tried_again(no_leaks):
     code = textwrap.dedent(
         """
         import os, socket
-        from sharexec import _tracking
+        from sharexec import _session, _tracking
 
         address = b"\\0sharexec-test-" + os.urandom(12).hex().encode()
-        _tracking.join_sweeper(address)  # as a worker does; nobody listens there yet
+        _session.join_sweeper(address)  # as a worker does; nobody listens there yet
         first = _tracking.new_private(4096)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(address)
@@ -621,15 +621,15 @@ def test_a_killed_sweeper_is_restarted_and_the_crash_sweep_holds(start_method, t
             keep = sharexec.zeros(300_000)  # the sweeper starts
             ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
             assert ex.submit(make, 10).result() == 20.0  # the workers are up, connected
-            first = _tracking._channel.sweeper_pid
+            first = _session._channel.sweeper_pid
             os.kill(first, signal.SIGKILL)
             os.waitpid(first, 0)
             if {notices!r} == "root":
                 more = sharexec.ones(300_000)  # the root's line is broken: it restarts it
-                assert _tracking._channel.sweeper_pid != first
+                assert _session._channel.sweeper_pid != first
             # workers whose lines broke: their results tell the root (if it did not notice)
             sums = [ex.submit(make, 300_000).result() for _ in range(4)]
-            second = _tracking._channel.sweeper_pid
+            second = _session._channel.sweeper_pid
             print("restarted", second not in (0, first), sums == [600_000.0] * 4, flush=True)
             futures = [ex.submit(hold, np.ones(1_000_000)) for _ in range(4)]
             announce_sweeper()
@@ -940,7 +940,9 @@ def holding():
     # what this process owns now: the names, and statistics' count of them
     import gc
     gc.collect()
-    return sorted(_tracking._owned.sizes)
+    from sharexec import _session
+
+    return sorted(_session.owned.sizes)
 
 def hold_until_told(owned):
     print("holds", *owned, flush=True)

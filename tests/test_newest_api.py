@@ -186,7 +186,7 @@ if __name__ == "__main__":
         print("submit refused")
     print("worker", worker)
     ex.shutdown()
-    print("sweeper", sharexec._tracking._channel.sweeper_pid)
+    print("sweeper", sharexec._session._channel.sweeper_pid)
 """
 
 

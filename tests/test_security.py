@@ -35,7 +35,7 @@ import pytest
 from test_faults import in_small_shm, needs_root
 
 import sharexec
-from sharexec import _segments, _tracking
+from sharexec import _segments, _session
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -260,10 +260,10 @@ def unix_sockets() -> dict[int, str]:
 
 
 def test_sweeper_socket_is_abstract(no_leaks):
-    address, _ = _tracking.sweeper_address()  # this process's sweeper, started if need be
+    address, _ = _session.sweeper_address()  # this process's sweeper, started if need be
     assert address.startswith(b"\0"), address  # the abstract namespace: no file
     assert re.fullmatch(rb"\0sharexec-sweeper-[0-9a-f]{24}", address), address  # 96 bits
-    sweeper = _tracking._channel.sweeper_pid
+    sweeper = _session._channel.sweeper_pid
     link = os.readlink(f"/proc/{sweeper}/fd/3")  # its listening socket
     inode = int(re.fullmatch(r"socket:\[(\d+)\]", link).group(1))
     assert unix_sockets()[inode] == "@" + address[1:].decode()
@@ -292,7 +292,7 @@ def _connect_as_nobody_and_claim(address: bytes, path: str) -> int:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing user needs root")
 def test_sweeper_ignores_other_users(no_leaks, tmp_path):
-    address, _ = _tracking.sweeper_address()
+    address, _ = _session.sweeper_address()
     assert "@" + address[1:].decode() in unix_sockets().values()  # anyone can read it
     private = tmp_path / "private"
     private.mkdir(mode=0o700)  # nobody cannot even look in here
@@ -316,9 +316,9 @@ def test_the_sweeper_imports_nothing_from_the_working_directory(tmp_path):
     script.parent.mkdir()
     script.write_text(
         "import sharexec\n"
-        "from sharexec import _tracking\n"
+        "from sharexec import _session\n"
         "a = sharexec.zeros(10)  # the sweeper starts, to hear of the segment\n"
-        "assert _tracking._channel.sweeper_pid\n"
+        "assert _session._channel.sweeper_pid\n"
     )
     # The sweeper inherits stderr: run() returns once it has exited too (the parent gone).
     done = subprocess.run(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .. import _segments, _tracking, _worker
+from .. import _segments, _session, _tracking, _worker
 from .._api import Statistics, map_calls, submit_future
 from .._arrays import byte_bounds
 from .._config import Options
@@ -623,7 +623,7 @@ class ClusterExecutor(Executor):
         """
         from .._warm import pooled_everywhere
 
-        owned, owned_bytes = _tracking.live()
+        owned, owned_bytes = _session.live()
         everywhere, everywhere_bytes = pooled_everywhere()
         with self._lock:
             return Statistics(
