@@ -22,16 +22,11 @@ One mechanism carries every call and every result: a cloudpickle pass at protoco
   through its reducer, from the dispatch table (``_wire.Pickler``).
 
 What the pass decides is the same both ways; *where the bytes go* is its :class:`Sink`'s.
-The two directions are deliberately asymmetric:
-
-* forward (parent → worker), ``_transport.ForwardSink``: copies are owned by the parent,
-  made in warm segments of its pool when it has some, on several cores, counted for
-  ``statistics()``, and reused for the same bytes while alive (``_copies.CopyCache``);
-  the worker maps them copy-on-write, so its writes stay private.
-* backward (worker → parent), :class:`BackwardSink`: the worker copies a large result
-  into a warm segment the parent lent the task, or a fresh one, on one core (the other
-  workers have the other cores), and hands ownership of the fresh ones and of the shared
-  arrays it allocated to the parent once the pass succeeded.
+The base here puts each buffer in a fresh segment; the two directions refine it, side by
+side in :mod:`sharexec._copies`: ``ForwardSink`` (parent → worker: copies the parent
+owns, reused while alive, made in its pool's warm segments on several cores) and
+``BackwardSink`` (worker → parent: into segments the parent lent, or fresh ones handed
+over).
 
 A :class:`Packed` is what one pass made: the payload (small), its out-of-band buffers
 (segment name, size, offset, length) and the mappings that must stay alive meanwhile.
@@ -47,7 +42,6 @@ import pickle
 import sys
 import tempfile
 import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +56,7 @@ from .errors import SegmentError
 
 logger = logging.getLogger("sharexec")
 
-__all__ = ["BackwardSink", "Packed", "Sink", "argument_owner", "dumps"]
+__all__ = ["Packed", "Sink", "argument_owner", "dumps"]
 
 
 @dataclass
@@ -454,47 +448,3 @@ class Sink:
 
     def done(self, packed: Packed) -> None:
         """The pass succeeded with ``packed``."""
-
-
-class BackwardSink(Sink):
-    """A worker's result: into the warm segments the parent lent the task, or fresh ones
-    handed over to the parent, copied on one core.
-
-    ``lent``: those segments, ``(name, size)``; ``attach_lent(name, size)`` maps one
-    (the worker keeps that mapping for the next task lent it); ``token``: the receiver
-    of the executor the result goes to (the sweeper holds what is handed over in flight
-    to it). Fallbacks are only logged: the parent warns when it receives a result in a
-    file.
-    """
-
-    def __init__(
-        self,
-        options: Options,
-        lent: list[tuple[str, int]],
-        attach_lent: Callable[[str, int], Mapping],
-        token: int,
-    ) -> None:
-        super().__init__(options)
-        self.lent = list(lent)
-        self.attach_lent = attach_lent
-        self.token = token  # the receiver of the executor the result goes to
-
-    def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
-        # A shared array this worker allocated goes to the parent's care.
-        return _tracking.owns(mapping)
-
-    def segment(self, size: int) -> Mapping | None:
-        lent = next((s for s in self.lent if size <= s[1] <= 2 * size), None)
-        if lent is not None:
-            self.lent.remove(lent)
-            try:
-                return self.attach_lent(*lent)
-            except SegmentError:  # gone: the executor was shut down meanwhile
-                pass
-        return super().segment(size)
-
-    def done(self, packed: Packed) -> None:
-        # Only now that the pass succeeded: the result's copies, and the shared arrays
-        # this worker allocated, become the parent's to free.
-        for mapping in packed.keep:
-            _tracking.hand_off(mapping, self.token)

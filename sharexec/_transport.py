@@ -3,7 +3,7 @@
 A submitted call becomes a :class:`Task`. Loky pickles it when it leaves the call queue
 (as the stdlib does), and only then does :meth:`Task.__reduce__` encode it: by the
 standard pickler if every argument is a plain value (``Transport.plain_call``), else by
-the pass of :mod:`sharexec._reduction` with a :class:`ForwardSink`. The task holds the
+the pass of :mod:`sharexec._reduction` with a ``_copies.ForwardSink``. The task holds the
 segments its payload refers to until its future is done (:meth:`Task.release`).
 
 :class:`Transport` is the executor's facade over the parts that each own their state (all
@@ -20,8 +20,10 @@ but the first in :mod:`sharexec._copies`):
   result's segment goes to the pool once the result is collected;
 * ``Counts``: what went where, for ``statistics()``.
 
-Also here: :class:`ForwardSink`, where the forward pass puts a call's large buffers
-(copies, counted, reused, split over several cores when large: ``_copies._in_parallel``).
+The forward pass puts a call's large buffers where ``_copies.ForwardSink`` says (reused,
+or copied into the pool's warm segments), which reaches this facade through
+``_copies.Outbound``; a function's pickle and buffers go where :class:`_FunctionSink`
+says (fresh segments of their own).
 
 Locks: the facade's ``Transport._lock`` serializes what spans two parts (a copy reused
 out of the pool, a pooled segment taken for new bytes); it is taken before any part's
@@ -45,18 +47,18 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _session, _tracking, _wire
+from . import _session, _wire
 from ._arrays import recycling
 from ._config import Options
-from ._copies import CopyCache, Counts, ResultLoans, _in_parallel
+from ._copies import CopyCache, Counts, ForwardSink, ResultLoans
 from ._loky import AlreadyDone
-from ._reduction import Packed, Sink, dumps
+from ._reduction import Sink, dumps
 from ._segments import Mapping
 from ._warm import SegmentPool, pool_limit, pooled_everywhere
 from ._wire import BufferRef, Delivered, is_plain, load_function
 from ._worker import load_batch, load_call
 
-__all__ = ["ForwardSink", "Task", "Transport", "pooled_everywhere"]
+__all__ = ["Task", "Transport", "pooled_everywhere"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -478,110 +480,6 @@ class Functions:
             dropped = list(self._payloads.values())
             self._payloads.clear()
         del dropped  # their segments are unlinked now, outside the lock
-
-
-# ---------------------------------------------------------------------------------------
-# The forward sink: where a call's large buffers go
-# ---------------------------------------------------------------------------------------
-
-
-class ForwardSink(Sink):
-    """A call's buffers: reused from a live copy of the same bytes, or copied (on several
-    cores: the workers wait for it) into a warm segment of the pool, or a fresh one;
-    counted for ``statistics()``; a fallback warned of once.
-
-    ``task``: the number of the task being sent, if this pass sends one;
-    ``cache_functions``: functions of ``__main__`` go by their cached pickle;
-    ``counted``: False for a call sent again after a worker handed it back unstarted,
-    whose bytes by reference and reused copies were counted when it was first sent
-    (only what it copies anew is). Private
-    torch tensors are moved into shared memory before they go (``moves_tensors``).
-    """
-
-    moves_tensors = True
-    shares_globals = True
-
-    def __init__(
-        self,
-        transport: Transport,
-        task: int | None = None,
-        cache_functions: bool = True,
-        counted: bool = True,
-    ) -> None:
-        super().__init__(transport.options)
-        self.transport = transport
-        self.task = task
-        self.cache_functions = cache_functions
-        self.counted = counted
-        self.held: list[Mapping] = []  # the segments of the functions sent by them
-
-    def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
-        # What the task can reach through this view: its elements, and never more than
-        # the segment (a broadcast view, stride 0, has more elements than bytes).
-        self.count("bytes_by_reference", min(nbytes, len(mapping)))
-        return False
-
-    def place(self, raw: memoryview, low: int) -> Mapping | None:
-        reused = self.transport.reuse(raw, low, self.task)
-        if reused is not None:  # a copy made for an earlier call: a copy avoided
-            if self.counted:
-                self.transport.counts.add("bytes_reused", raw.nbytes)
-            return reused
-        made = self.transport.number()  # tasks numbered below came before this copy
-        mapping = super().place(raw, low)
-        if mapping is not None:
-            self.transport.copies.remember(raw, low, mapping, made)
-        return mapping
-
-    def segment(self, size: int) -> Mapping | None:
-        return self.transport.take_warm(size) or super().segment(size)
-
-    def copy(self, target: np.ndarray, source: np.ndarray) -> None:
-        # 128 MiB into warm pages: 19 ms on one core, 10 ms on two; fresh: 61 and 34 ms.
-        def copy(low: int, high: int) -> bool:
-            target[low:high] = source[low:high]  # numpy releases the GIL
-            return True
-
-        _in_parallel(len(source), copy)
-
-    def count(self, what: str, n: int) -> None:
-        # The pass reports a buffer inside bytes it copied earlier in the same pass as
-        # reused; but a gappy view's compact copy is such a buffer too, at its first and
-        # only use (copied, not reused). Reuse within a pass is counted in done()
-        # instead, from the buffers themselves.
-        if what != "bytes_reused" and (self.counted or what != "bytes_by_reference"):
-            self.transport.counts.add(what, n)
-
-    def done(self, packed: Packed) -> None:
-        # The task holds the segments of the functions it sends by them (a function
-        # made while pickling may be collected before the worker maps them).
-        packed.keep.extend(self.held)
-        # A buffer in a segment an earlier buffer of this pass went to shares that copy
-        # (a second view of one base: a.T after a): a copy avoided. The first buffer in
-        # each segment was copied there, or reused from an earlier call (see place()).
-        if not self.counted:
-            return
-        seen: set[str] = set()
-        reused = 0
-        for name, _, _, length in packed.buffers:
-            if name in seen:
-                reused += length
-            seen.add(name)
-        if reused:
-            self.transport.counts.add("bytes_reused", reused)
-
-    def fell_back(self, message: str) -> None:
-        self.count("fallbacks", 1)
-        _tracking.warn_fallback(message)
-
-    def reduce_function(self, fn: types.FunctionType) -> Any:
-        if not self.cache_functions:
-            return None
-        ref = self.transport.functions.payload(fn)
-        if ref is None:
-            return None
-        self.held.extend(ref.keep)
-        return ref.__reduce__()
 
 
 class _FunctionSink(ForwardSink):

@@ -621,14 +621,14 @@ ATOMS = (None, True, 3, 2.5, 1j, "text", b"bytes")
 )
 def test_a_plain_call_pickles_as_the_pass_would(call: tuple[Any, ...]) -> None:
     """The plain road writes what the pass writes, only cheaper."""
-    from sharexec import _reduction, _transport
+    from sharexec import _copies, _reduction, _transport
     from sharexec._config import Options
 
     transport = _transport.Transport(Options.resolve({}))
     fn, args, kwargs = call
     plain = transport.plain_call(fn, args, kwargs)
     assert plain is not None
-    by_pass = _reduction.dumps(call, _transport.ForwardSink(transport))
+    by_pass = _reduction.dumps(call, _copies.ForwardSink(transport))
     assert by_pass.buffers == [] and by_pass.keep == []
     (fn1, args1, kwargs1), (fn2, args2, kwargs2) = (
         pickle.loads(plain),
