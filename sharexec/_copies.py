@@ -89,12 +89,6 @@ class Outbound(Protocol):
     def number(self) -> int:
         """The next number in submission order (tasks and copies alike)."""
 
-    def reuse(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
-        """A live copy of ``raw`` that is a valid snapshot for ``task``, out of the pool."""
-
-    def take_warm(self, size: int) -> Mapping | None:
-        """A pooled segment for ``size`` new bytes, if any."""
-
 
 class ForwardSink(Sink):
     """A call's buffers: reused from a live copy of the same bytes, or copied (on several
@@ -133,7 +127,7 @@ class ForwardSink(Sink):
         return False
 
     def place(self, raw: memoryview, low: int) -> Mapping | None:
-        reused = self.transport.reuse(raw, low, self.task)
+        reused = self.transport.copies.reuse(raw, low, self.task)
         if reused is not None:  # a copy made for an earlier call: a copy avoided
             if self.counted:
                 self.transport.counts.add("bytes_reused", raw.nbytes)
@@ -145,7 +139,7 @@ class ForwardSink(Sink):
         return mapping
 
     def segment(self, size: int) -> Mapping | None:
-        return self.transport.take_warm(size) or super().segment(size)
+        return self.transport.copies.take_warm(size) or super().segment(size)
 
     def copy(self, target: np.ndarray, source: np.ndarray) -> None:
         # 128 MiB into warm pages: 19 ms on one core, 10 ms on two; fresh: 61 and 34 ms.
@@ -254,6 +248,16 @@ class _Remembered:
     owner: Callable[[], object]  # a weak reference to the object whose bytes were taken
 
 
+@dataclass(slots=True)
+class _Held:
+    """A copy held by tasks in flight: how many, and whether every worker that was sent
+    it so far released it (no view of it left there)."""
+
+    mapping: Mapping
+    tasks: int = 0
+    released: bool = True
+
+
 class CopyCache:
     """Copies alive (held by tasks in flight, or pooled), by the bytes they hold.
 
@@ -264,17 +268,40 @@ class CopyCache:
     array never reuses a stale copy. ``number`` numbers tasks and comparisons alike.
     """
 
-    def __init__(self, number: Callable[[], int]) -> None:
+    def __init__(self, number: Callable[[], int], pool: SegmentPool) -> None:
         self._number = number
+        self._pool = pool  # the executor's: copies no task holds wait there for reuse
+        # Held while a segment moves between this cache and the pool (a copy reused out
+        # of the pool, a pooled segment taken for new bytes): taken before this cache's
+        # own lock and the pool's, which are taken one after the other.
+        self._exchange = threading.RLock()
         self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while held
         # Copies by the source bytes they hold, e.g.
         # {(140213, 8000000): _Remembered(<weakref to Mapping>, valid_below=17, ...)},
         # and the key of each copy, by the copy's id, e.g. {1401: (140213, 8000000)}.
         self._copies: dict[tuple[int, int], _Remembered] = {}
         self._keys: dict[int, tuple[int, int]] = {}
-        # Copies held by tasks in flight: {id(mapping): [mapping, tasks holding it, every
-        # worker let go of it so far]}, e.g. {1401: [<Mapping>, 2, True]}.
-        self._held: dict[int, list[Any]] = {}
+        # Copies held by tasks in flight, by the copy's id,
+        # e.g. {1401: _Held(<Mapping>, tasks=2, released=True)}.
+        self._held: dict[int, _Held] = {}
+
+    def reuse(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
+        """A live copy of the bytes ``raw`` that is a valid snapshot of them for ``task``,
+        taken out of the pool if it was there (see :meth:`reusable`)."""
+        with self._exchange:
+            mapping = self.reusable(raw, low, task)
+            if mapping is not None:
+                self._pool.remove(mapping)
+            return mapping
+
+    def take_warm(self, size: int) -> Mapping | None:
+        """A pooled segment to hold ``size`` new bytes (at most twice as big), if any; it
+        no longer holds the bytes it was remembered for."""
+        with self._exchange:
+            mapping = self._pool.take(size)
+            if mapping is not None:
+                self.forget(mapping)
+            return mapping
 
     def reusable(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
         """A copy of these very bytes that is a valid snapshot of them for ``task``.
@@ -336,12 +363,14 @@ class CopyCache:
         """A task in flight now refers to these copies."""
         with self._lock:
             for mapping in copies:
-                entry = self._held.setdefault(id(mapping), [mapping, 0, True])
-                entry[1] += 1
+                entry = self._held.get(id(mapping))
+                if entry is None:
+                    entry = self._held[id(mapping)] = _Held(mapping)
+                entry.tasks += 1
 
-    def let_go(self, copies: Sequence[Mapping], released: frozenset[str]) -> list[Mapping]:
-        """A task is done; ``released``: the copies its worker no longer maps. Returns the
-        copies that no task holds and every worker released: they may be pooled.
+    def let_go(self, copies: Sequence[Mapping], released: frozenset[str]) -> None:
+        """A task is done; ``released``: the copies its worker no longer maps. The copies
+        that no task holds and every worker released go to the pool.
 
         Any other copy no task holds is dropped (and unlinked). A worker that kept a
         view of its argument (in a global, in its result) keeps the copy out of the
@@ -354,13 +383,14 @@ class CopyCache:
                 entry = self._held.get(id(mapping))
                 if entry is None:
                     continue
-                entry[1] -= 1
-                entry[2] = entry[2] and mapping.name in released
-                if entry[1] == 0:
+                entry.tasks -= 1
+                entry.released = entry.released and mapping.name in released
+                if entry.tasks == 0:
                     del self._held[id(mapping)]
-                    if entry[2] and not os.path.isabs(mapping.name):
+                    if entry.released and not os.path.isabs(mapping.name):
                         free.append(mapping)
-        return free
+        for mapping in free:  # outside this cache's lock: the pool's is taken alone
+            self._pool.put(mapping)
 
 
 def _weak(owner: object) -> Callable[[], object]:

@@ -25,12 +25,12 @@ or copied into the pool's warm segments), which reaches this facade through
 ``_copies.Outbound``; a function's pickle and buffers go where :class:`_FunctionSink`
 says (fresh segments of their own).
 
-Locks: the facade's ``Transport._lock`` serializes what spans two parts (a copy reused
-out of the pool, a pooled segment taken for new bytes); it is taken before any part's
-own lock, and no part calls back into the facade. The locks that a weakref callback
-takes (a collected result giving its segment back, a collected copy leaving the
-cache) are re-entrant, since the callback may fire while one is held: the pool's,
-``CopyCache``'s, ``Functions``' (a collected function leaving the table).
+Locks: ``CopyCache._exchange`` serializes what moves a segment between the copy cache and
+the pool (a copy reused out of the pool, a pooled segment taken for new bytes); it is
+taken before either's own lock, and no part calls back into the facade. The locks that
+a weakref callback takes (a collected result giving its segment back, a collected copy
+leaving the cache) are re-entrant, since the callback may fire while one is held: the
+pool's, ``CopyCache``'s, ``Functions``' (a collected function leaving the table).
 ``ResultLoans``' is too; ``Counts``' is taken by no callback.
 """
 
@@ -193,7 +193,7 @@ def _let_go(
     if keep:
         recycling.done(keep, released)
     if copies:
-        transport.let_go(copies, released)
+        transport.copies.let_go(copies, released)
     transport.loans.take_back(lent)
 
 
@@ -223,12 +223,11 @@ class Transport:
         # Numbers tasks in the order they are submitted, and copies in the order they are
         # made: a copy made after a task was submitted is a valid snapshot for it.
         self._numbers = count()
-        self._lock = threading.RLock()  # see the module's docstring
         # Hands a task's segments between the thread sending it and the one releasing it.
         self.handover = threading.Lock()
         self.functions = Functions(self)
-        self.copies = CopyCache(self.number)
         self.pool = SegmentPool(pool_limit())
+        self.copies = CopyCache(self.number, self.pool)
         self.loans = ResultLoans(self.pool)
         self.token = next(_tokens)  # by which results find self.loans (_wire.load_result)
         _wire.register(self.token, self.loans)
@@ -296,33 +295,9 @@ class Transport:
         blob = pickle.dumps(functions, protocol=pickle.HIGHEST_PROTOCOL)
         return load_batch, (ids, self.context(), blob, entries)
 
-    def reuse(self, raw: memoryview, low: int, task: int | None) -> Mapping | None:
-        """A live copy of the bytes ``raw`` that is a valid snapshot of them for ``task``,
-        taken out of the pool if it was there (see :meth:`CopyCache.reusable`)."""
-        with self._lock:
-            mapping = self.copies.reusable(raw, low, task)
-            if mapping is not None:
-                self.pool.remove(mapping)
-            return mapping
-
-    def take_warm(self, size: int) -> Mapping | None:
-        """A pooled segment to hold ``size`` new bytes (at most twice as big), if any; it
-        no longer holds the bytes it was remembered for."""
-        with self._lock:
-            mapping = self.pool.take(size)
-            if mapping is not None:
-                self.copies.forget(mapping)
-            return mapping
-
-    def let_go(self, copies: Sequence[Mapping], released: frozenset[str]) -> None:
-        """A task is done; ``released``: the copies its worker no longer maps. Those no
-        task holds and every worker released go to the pool (see :meth:`CopyCache.let_go`)."""
-        for mapping in self.copies.let_go(copies, released):
-            self.pool.put(mapping)
-
     def lend(self, function: tuple[str, str] | None) -> list[Mapping]:
         """Warm segments for a task of ``function`` to write its large results into."""
-        return self.loans.lend(function, self.take_warm)
+        return self.loans.lend(function, self.copies.take_warm)
 
     def pooled(self) -> list[str]:
         """Names of the segments in the pool."""
