@@ -40,10 +40,11 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import cast
 
 from ._loky import CallBatch
-from ._transport import Task, Transport
+from ._reduction import Reduced
+from ._transport import FunctionKey, Task, Transport
 
 __all__ = ["BATCH_CALLS", "BATCH_SECONDS", "SHORT_SECONDS", "Batching"]
 
@@ -79,8 +80,8 @@ class Batching:
         self,
         transport: Transport,
         workers: int,
-        run: Callable[..., Any],
-        run_batch: Callable[[Any], Any],
+        run: Callable[[Task], object],
+        run_batch: Callable[..., object],
     ) -> None:
         self._transport = transport
         self._workers = workers
@@ -88,9 +89,9 @@ class Batching:
         self.run_batch = run_batch
         # Estimated run time in seconds by function key, oldest first, e.g.
         # {("bench.tasks", "inc", 47): 3.1e-07}.
-        self._seconds: dict[tuple[Any, ...], float] = {}
+        self._seconds: dict[FunctionKey, float] = {}
 
-    def cost(self, fn: Any, args: tuple[Any, ...]) -> float | None:
+    def cost(self, fn: Callable[..., object], args: tuple[object, ...]) -> float | None:
         """The estimated run time of a queued call, or None if it goes alone."""
         if fn is not self._run:
             return None
@@ -111,7 +112,9 @@ class Batching:
         them), and BATCH_CALLS at most."""
         return min(BATCH_CALLS, queued // (2 * self._workers))
 
-    def measured(self, fn: Any, args: tuple[Any, ...], seconds: float) -> None:
+    def measured(
+        self, fn: Callable[..., object], args: tuple[object, ...], seconds: float
+    ) -> None:
         """A queued call ran ``seconds`` in its worker."""
         if fn is not self._run or type(args[0]) is not Task:
             return
@@ -137,19 +140,20 @@ class Batching:
         counts.add("batches")
         counts.add("tasks_batched", calls)
 
-    def handed_back(self, fn: Any, args: tuple[Any, ...]) -> None:
+    def handed_back(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         """A batched call was handed back unstarted: its next send is the same transfer
         (its copies stay valid for it, nothing counted twice)."""
         task = args[0]
         if type(task) is Task:
             task.again = True
 
-    def reduce_batch(self, batch: CallBatch) -> Any:
-        tasks = [args[0] for _, args in batch.calls]
+    def reduce_batch(self, batch: CallBatch) -> Reduced:
+        # cost() lets only calls of a Task into a batch
+        tasks = cast("list[Task]", [args[0] for _, args in batch.calls])
         return self._transport.reduce_batch(batch.ids, tasks)
 
 
-def _key(fn: Any) -> tuple[Any, ...]:
+def _key(fn: Callable[..., object]) -> FunctionKey:
     """What a function's run times are kept under."""
     if type(fn) is types.FunctionType:
         return (fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno)

@@ -31,13 +31,13 @@ import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from . import _tracking
 from ._config import Options
-from ._reduction import Packed, Sink, argument_owner
+from ._reduction import Packed, Reduced, Sink, argument_owner
 from ._segments import Mapping
 from ._warm import SegmentPool
 from .errors import SegmentError
@@ -59,7 +59,7 @@ class CachedFunction(Protocol):
     def keep(self) -> Sequence[Mapping]:
         """The segments that hold the pickle and its buffers."""
 
-    def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
+    def __reduce__(self) -> Reduced:
         """How a call names the function: its pickle, or the segments holding it."""
 
 
@@ -179,7 +179,7 @@ class ForwardSink(Sink):
         self.count("fallbacks", 1)
         _tracking.warn_fallback(message)
 
-    def reduce_function(self, fn: types.FunctionType) -> Any:
+    def reduce_function(self, fn: types.FunctionType) -> Reduced | None:
         if not self.cache_functions:
             return None
         ref = self.transport.functions.payload(fn)
@@ -465,7 +465,7 @@ class ResultLoans:
             if len(self._sizes) > _FUNCTIONS_REMEMBERED:
                 self._sizes.popitem(last=False)
 
-    def receive(self, name: str, size: int) -> Any:
+    def receive(self, name: str, size: int) -> Mapping | np.ndarray:
         """The buffer a result's segment is rebuilt over (``_wire.Receiver``).
 
         A lent segment is mapped here already; a fresh one is adopted; both go to the
@@ -588,7 +588,7 @@ def _in_parallel(n: int, work: Callable[[int, int], bool]) -> list[bool]:
     return done
 
 
-def _load_memcmp() -> Any:
+def _load_memcmp() -> Callable[[int, int, int], int] | None:
     try:
         memcmp = ctypes.CDLL(None).memcmp
     except (OSError, AttributeError):  # pragma: no cover - no libc symbols

@@ -42,8 +42,9 @@ import pickle
 import sys
 import tempfile
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -56,7 +57,11 @@ from .errors import SegmentError
 
 logger = logging.getLogger("sharexec")
 
-__all__ = ["Packed", "Sink", "argument_owner", "dumps"]
+__all__ = ["Packed", "Reduced", "Sink", "argument_owner", "dumps"]
+
+# What a reducer returns (pickle's ``__reduce__`` protocol): a callable and its arguments,
+# e.g. (rebuild_view, (buffer, 0, (1000,), (8,), dtype('float64'))).
+Reduced: TypeAlias = tuple[Callable[..., object], tuple[object, ...]]
 
 
 @dataclass
@@ -72,7 +77,7 @@ class Packed:
     copies: list[Mapping] = field(repr=False, default_factory=list)
 
 
-def dumps(obj: Any, sink: Sink, arguments: frozenset[int] = frozenset()) -> Packed:
+def dumps(obj: object, sink: Sink, arguments: frozenset[int] = frozenset()) -> Packed:
     """Run one pass over ``obj``, its large buffers going where ``sink`` puts them.
 
     ``arguments``: the ids of the arrays a task was given as its arguments (see
@@ -105,7 +110,7 @@ class _Pickler(Pickler):
         self._state = state
         self._torch = state.torch
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> object:
         if isinstance(obj, np.ndarray):
             reduced = self._state.reduce_array(obj)
             if reduced is not None:
@@ -130,7 +135,7 @@ class _Pickler(Pickler):
         return super().reducer_override(obj)
 
 
-def _tensors() -> Any:
+def _tensors() -> types.ModuleType | None:
     """sharexec._tensors if torch is loaded (else no object can be a tensor), else None."""
     if "torch" not in sys.modules:
         return None
@@ -157,7 +162,7 @@ class Pass:
         self.copied = _Copied()  # byte ranges copied in this pass: a buffer inside one reuses it
         self.torch = _tensors()  # sharexec._tensors where torch is loaded, else None
 
-    def reduce_array(self, a: np.ndarray) -> Any:
+    def reduce_array(self, a: np.ndarray) -> Reduced | None:
         """How ``a`` travels: a reduce tuple, or None to let numpy pickle it."""
         if type(a) is not np.ndarray and type(a) is not SharedArray:
             return None  # other subclasses (masked, memmap, …) pickle themselves
@@ -168,7 +173,8 @@ class Pass:
         if found is not None:
             mapping = found[0]
             self.keep.append(mapping)
-            return reduce_shared(a, mapping, self.sink.by_reference(mapping, a.nbytes))
+            shared: Reduced = reduce_shared(a, mapping, self.sink.by_reference(mapping, a.nbytes))
+            return shared
         if a.nbytes < self.min_share_bytes:
             if a.dtype.isnative:
                 return None  # numpy pickles it, in-band
@@ -183,12 +189,13 @@ class Pass:
         span_low, span_high = _span_to_copy(a, low, high)
         return _describe(a, a, span_low, span_high, id(a) in self.arguments)
 
-    def reduce_storage(self, storage: Any) -> Any:
+    def reduce_storage(self, storage: Any) -> Reduced | None:  # torch is typed Any
         """How a torch storage travels: by reference if its bytes lie in a shared segment;
         if private, moved into one first (a call: :attr:`Sink.moves_tensors`) or as a
         buffer (a result); None for torch's reducer (its own shared memory, a device's
         memory, or the ``tensor_sharing="torch"`` option for private ones)."""
         tensors = self.torch
+        assert tensors is not None  # a storage is seen only where torch is loaded
         nbytes = storage.nbytes()
         if storage.device.type != "cpu":
             return None
@@ -217,7 +224,7 @@ class Pass:
     def _holds(self, low: int, high: int) -> bool:
         return self.copied.find(low, high) is not None
 
-    def _compact(self, a: np.ndarray) -> Any:
+    def _compact(self, a: np.ndarray) -> Reduced | None:
         """Copy a gappy view (``a[::2]``, ``a[:, :500]``) compactly: only its elements.
 
         Fresh shared pages cost far more than reading strided memory, so copying half
@@ -355,7 +362,9 @@ def _span_to_copy(a: np.ndarray, low: int, high: int) -> tuple[int, int]:
     return low, high
 
 
-def _describe(a: np.ndarray, owner: object, low: int, high: int, argument: bool = False) -> Any:
+def _describe(
+    a: np.ndarray, owner: object, low: int, high: int, argument: bool = False
+) -> Reduced:
     """Reduce ``a`` to the bytes ``[low, high)`` it lies in, as a buffer, plus its geometry."""
     span = np.asarray(_Span(owner, low, high - low, argument))
     first = a.__array_interface__["data"][0] - low
@@ -442,7 +451,7 @@ class Sink:
         """Shared memory fell short: the buffer went to a file, or is pickled."""
         logger.info("%s", message)
 
-    def reduce_function(self, fn: types.FunctionType) -> Any:
+    def reduce_function(self, fn: types.FunctionType) -> Reduced | None:
         """How a function travels: a reduce tuple, or None to let cloudpickle pickle it."""
         return None
 

@@ -40,13 +40,16 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import _segments
 from ._segments import Mapping
 from ._session import owned, receiver_pid, tell
 from ._sweeper import ADOPT, HAND_OFF, REGISTER, UNREGISTER
 from .errors import SegmentError, SharexecWarning
+
+if TYPE_CHECKING:  # a worker imports NumPy only when a call holds an array
+    import numpy as np
 
 __all__ = [
     "Segment",
@@ -306,7 +309,7 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
 
 
 @contextlib.contextmanager
-def attached_shared(holders: dict[str, Any] | None = None) -> Iterator[list[Mapping]]:
+def attached_shared(holders: dict[str, np.ndarray] | None = None) -> Iterator[list[Mapping]]:
     """The shared segments this thread maps (or finds mapped) within the block.
 
     With ``holders``, the views rebuilt in the block are built over one holder per
@@ -322,10 +325,10 @@ def attached_shared(holders: dict[str, Any] | None = None) -> Iterator[list[Mapp
         _registry.attaching.holders = None
 
 
-def call_holders() -> dict[str, Any] | None:
+def call_holders() -> dict[str, np.ndarray] | None:
     """Inside :func:`attached_shared` with holders: the holders of the segments, by name,
     over which this thread rebuilds shared views (``_arrays.rebuild_shared``)."""
-    holders: dict[str, Any] | None = getattr(_registry.attaching, "holders", None)
+    holders: dict[str, np.ndarray] | None = getattr(_registry.attaching, "holders", None)
     return holders
 
 

@@ -42,7 +42,7 @@ import types
 import weakref
 from collections.abc import Callable, Sequence
 from itertools import count
-from typing import Any
+from typing import TypeAlias
 
 import cloudpickle
 import numpy as np
@@ -52,13 +52,20 @@ from ._arrays import recycling
 from ._config import Options
 from ._copies import CopyCache, Counts, ForwardSink, ResultLoans
 from ._loky import AlreadyDone
-from ._reduction import Sink, dumps
+from ._reduction import Reduced, Sink, dumps
 from ._segments import Mapping
 from ._warm import SegmentPool, pool_limit, pooled_everywhere
 from ._wire import BufferRef, Delivered, is_plain, load_function
 from ._worker import load_batch, load_call
 
-__all__ = ["Task", "Transport", "pooled_everywhere"]
+__all__ = ["FunctionKey", "PlainEntry", "Task", "Transport", "pooled_everywhere"]
+
+# What a function's run times are kept under (``_batching``): its module, qualified name
+# and first line, e.g. ("app", "inc", 47); a partial's nests its function's.
+FunctionKey: TypeAlias = tuple[object, ...]
+# A call of plain arguments in a batch's one pickle (``Transport.reduce_batch``): its
+# function's place in the batch's functions, its arguments and keywords (None: none).
+PlainEntry: TypeAlias = tuple[int, tuple[object, ...], dict[str, object] | None]
 
 
 # ---------------------------------------------------------------------------------------
@@ -92,15 +99,15 @@ class Task:
 
     def __init__(
         self,
-        fn: Callable[..., Any],
-        args: Any,
-        kwargs: Any,
+        fn: Callable[..., object],
+        args: tuple[object, ...],
+        kwargs: dict[str, object] | None,
         transport: Transport,
     ) -> None:
         # The call, until the task is done; None for no keywords (one dict less per task).
-        self.fn: Callable[..., Any] | None = fn
-        self.args: tuple[Any, ...] | None = args
-        self.kwargs: dict[str, Any] | None = kwargs or None
+        self.fn: Callable[..., object] | None = fn
+        self.args: tuple[object, ...] | None = args
+        self.kwargs: dict[str, object] | None = kwargs or None
         self.transport = transport
         self.number = transport.number()  # its place in submission order
         self.sent = False
@@ -109,9 +116,9 @@ class Task:
         self.copies: Sequence[Mapping] = ()  # those of them that are argument copies
         self.function: tuple[str, str] | None = None  # whose last results size what is lent
         self.lent: Sequence[Mapping] = ()  # warm segments lent for the result
-        self.key: tuple[Any, ...] | None = None  # whose run times it counts in (_batching)
+        self.key: FunctionKey | None = None  # whose run times it counts in (_batching)
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> Reduced:
         fn, args, kwargs = self.fn, self.args, self.kwargs or {}
         if fn is None or args is None:
             raise AlreadyDone("this task was already completed")
@@ -197,7 +204,7 @@ def _let_go(
     transport.loans.take_back(lent)
 
 
-def _function_key(fn: Callable[..., Any]) -> tuple[str, str] | None:
+def _function_key(fn: Callable[..., object]) -> tuple[str, str] | None:
     """A function's name, by which its tasks are lent segments for their results."""
     qualname = getattr(fn, "__qualname__", None)
     module = getattr(fn, "__module__", None)
@@ -250,7 +257,9 @@ class Transport:
             self._context_sweeper = sweeper
         return self._context
 
-    def plain_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes | None:
+    def plain_call(
+        self, fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> bytes | None:
         """The pickle of a call that cannot hold a buffer, made by the standard pickler;
         None if the call must take the pass.
 
@@ -268,14 +277,14 @@ class Transport:
             return None
         return pickle.dumps((ref, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
 
-    def reduce_batch(self, ids: list[int], tasks: list[Task]) -> Any:
+    def reduce_batch(self, ids: list[int], tasks: list[Task]) -> Reduced:
         """How several calls travel in one message (``_loky.CallBatch``): a call of plain
         arguments as ``(function index, args, kwargs)`` in the batch's one pickle, its
         function once per batch (as ``plain_call`` would pickle it); any other call as
         its :class:`Task`, reduced as when it goes alone (copies, loans, the pass)."""
-        functions: list[Any] = []
+        functions: list[types.FunctionType | _FunctionRef] = []
         index: dict[int, int] = {}  # by id(fn): its place in functions, or -1: not plain
-        entries: list[Any] = []
+        entries: list[PlainEntry | Task] = []
         for task in tasks:
             fn, args, kwargs = task.fn, task.args, task.kwargs
             if fn is None or args is None:
@@ -335,7 +344,7 @@ class _FunctionRef:
         self.payload = payload
         self.keep = keep
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> Reduced:
         return load_function, (self.payload,)
 
 
@@ -381,7 +390,7 @@ class Functions:
             weakref.WeakKeyDictionary()
         )
 
-    def plain_ref(self, fn: types.FunctionType) -> Any:
+    def plain_ref(self, fn: types.FunctionType) -> types.FunctionType | _FunctionRef | None:
         """What stands for ``fn`` in a plain pickle: ``fn`` itself (by name), its cached
         pickle, or None if it must go through the pass."""
         if self.by_name(fn):

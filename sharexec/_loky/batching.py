@@ -17,11 +17,31 @@ from __future__ import annotations
 import queue
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from loky import process_executor
 
-_NO_KEYWORDS: dict[str, Any] = {}  # the keywords of every call queued: never changed
+_NO_KEYWORDS: dict[str, object] = {}  # the keywords of every call queued: never changed
+
+# A queued call as the executor queued it (``_enqueue``): its function and arguments.
+Call: TypeAlias = tuple[Callable[..., object], tuple[object, ...]]
+# What a ``__reduce__`` returns: a callable and its arguments.
+Reduced: TypeAlias = tuple[Callable[..., object], tuple[object, ...]]
+
+
+class _WorkItem(Protocol):
+    """A call waiting in the manager's ``pending_work_items`` (loky's ``_WorkItem``)."""
+
+    fn: Callable[..., object]
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+
+    @property
+    def future(self) -> _Future: ...
+
+
+class _Future(Protocol):
+    def set_running_or_notify_cancel(self) -> bool: ...
 
 
 class BatchPolicy(Protocol):
@@ -33,26 +53,28 @@ class BatchPolicy(Protocol):
 
     budget: float  # seconds of estimated run time one batch may hold
 
-    def cost(self, fn: Any, args: tuple[Any, ...]) -> float | None:
+    def cost(self, fn: Callable[..., object], args: tuple[object, ...]) -> float | None:
         """The call's estimated run time in seconds; None: it goes alone."""
 
     def limit(self, queued: int) -> int:
         """How many calls one batch may take when ``queued`` calls wait."""
 
-    def measured(self, fn: Any, args: tuple[Any, ...], seconds: float) -> None:
+    def measured(
+        self, fn: Callable[..., object], args: tuple[object, ...], seconds: float
+    ) -> None:
         """The call ran for ``seconds`` in a worker."""
 
     def batched(self, calls: int) -> None:
         """A batch of ``calls`` calls was queued (for statistics)."""
 
-    def handed_back(self, fn: Any, args: tuple[Any, ...]) -> None:
+    def handed_back(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
         """A call of a batch was handed back unstarted: it will be sent again."""
 
-    def run_batch(self, batch: Any) -> Any:
+    def run_batch(self, batch: Any) -> object:  # what load_batch rebuilt
         """Runs in the worker: what a :class:`CallBatch` rebuilt as, to a
         :class:`BatchOutcome`."""
 
-    def reduce_batch(self, batch: CallBatch) -> Any:
+    def reduce_batch(self, batch: CallBatch) -> Reduced:
         """The ``__reduce__`` value of ``batch``: how its calls travel."""
 
 
@@ -72,13 +94,13 @@ class CallBatch:
 
     __slots__ = ("calls", "checked", "ids", "policy")
 
-    def __init__(self, ids: list[int], calls: list[tuple[Any, tuple[Any, ...]]], policy: Any):
+    def __init__(self, ids: list[int], calls: list[Call], policy: BatchPolicy) -> None:
         self.ids = ids
         self.calls = calls
         self.policy = policy
         self.checked = False  # made of calls that each pickled alone (see _feed)
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> Reduced:
         return self.policy.reduce_batch(self)
 
 
@@ -91,7 +113,7 @@ class BatchOutcome(list):  # type: ignore[type-arg]
 
     returned: Sequence[int] = ()
 
-    def add(self, work_id: int, outcome: Any, seconds: float) -> None:
+    def add(self, work_id: int, outcome: object, seconds: float) -> None:
         self.append((work_id, outcome, seconds))
 
 
@@ -256,7 +278,7 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
                 policy.batched(len(ids))
             self.call_queue.put(call, block=True)
 
-    def _gather(self, work_id: int, work_item: Any) -> list[tuple[int, Any]] | None:
+    def _gather(self, work_id: int, work_item: _WorkItem) -> list[tuple[int, _WorkItem]] | None:
         """The calls queued after ``work_item`` that go with it (marked running), or
         None if it goes alone."""
         policy = self.policy
@@ -270,7 +292,7 @@ class _Manager(process_executor._ExecutorManagerThread):  # type: ignore[misc]
             return None
         budget = policy.budget - cost
         pending = self.pending_work_items
-        members: list[tuple[int, Any]] = []
+        members: list[tuple[int, _WorkItem]] = []
         while len(members) < limit:
             try:
                 next_id = self.work_ids_queue.get(block=False)
