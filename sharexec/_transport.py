@@ -3,7 +3,7 @@
 A submitted call becomes a :class:`Task`. Loky pickles it when it leaves the call queue
 (as the stdlib does), and only then does :meth:`Task.__reduce__` encode it: by the
 standard pickler if every argument is a plain value (``Transport.plain_call``), else by
-the pass of :mod:`sharexec._reduction` with a ``_copies.ForwardSink``. The task holds the
+the pass of :mod:`sharexec._reduction` with a ``ForwardSink``. The task holds the
 segments its payload refers to until its future is done (:meth:`Task.release`).
 
 :class:`Transport` is the executor's facade over the parts that each own their state (all
@@ -20,9 +20,9 @@ but the first in :mod:`sharexec._copies`):
   result's segment goes to the pool once the result is collected;
 * ``Counts``: what went where, for ``statistics()``.
 
-The forward pass puts a call's large buffers where ``_copies.ForwardSink`` says (reused,
-or copied into the pool's warm segments), which reaches this facade through
-``_copies.Outbound``; a function's pickle and buffers go where :class:`_FunctionSink`
+The forward pass puts a call's large buffers where ``_reduction.ForwardSink`` says
+(reused, or copied into the pool's warm segments), which reaches this facade through
+``_reduction.Outbound``; a function's pickle and buffers go where :class:`_FunctionSink`
 says (fresh segments of their own).
 
 Locks: ``CopyCache._exchange`` serializes what moves a segment between the copy cache and
@@ -50,9 +50,9 @@ import numpy as np
 from . import _session, _wire
 from ._arrays import recycling
 from ._config import Options
-from ._copies import CopyCache, Counts, ForwardSink, ResultLoans
+from ._copies import CopyCache, Counts, ResultLoans
 from ._loky import AlreadyDone
-from ._reduction import Reduced, Sink, dumps
+from ._reduction import ForwardSink, Reduced, Sink, dumps
 from ._segments import Mapping
 from ._warm import SegmentPool, pool_limit, pooled_everywhere
 from ._wire import BufferRef, Delivered, is_plain, load_function

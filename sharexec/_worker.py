@@ -7,7 +7,7 @@
   both through this worker's :data:`kept` mappings (reused by later tasks of the same
   segments). :func:`run` calls the function and packs the result: a plain value as it
   is, anything else in a ``_wire.Reply``, through the backward pass
-  (:mod:`sharexec._reduction` with ``_copies.BackwardSink``) when it may hold an array.
+  (:mod:`sharexec._reduction` with its ``BackwardSink``) when it may hold an array.
 * A batch (several queued calls in one message, see :mod:`sharexec._batching`): it
   rebuilds as :func:`load_batch`, and :func:`run_batch` runs its calls in order, each
   with its own outcome and run time; a thread of the worker (:class:`_Streamer`) hands
@@ -224,8 +224,7 @@ def _pack(
         payload = _dumps_in_band(result, options)
         if payload is not None:
             return Reply(payload, [], released, token, lost=_session.sweeper_lost())
-    from ._copies import BackwardSink  # NumPy is needed (or loaded already)
-    from ._reduction import dumps
+    from ._reduction import BackwardSink, dumps  # NumPy is needed (or loaded already)
 
     packed = dumps(result, BackwardSink(options, lent, kept.attach_lent, token))
     lost = _session.sweeper_lost()  # the pass may have created segments

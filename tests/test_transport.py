@@ -295,9 +295,9 @@ def test_changed_array_is_never_served_a_stale_copy(executor):
 def test_large_copies_and_comparisons_run_in_slices_and_miss_no_byte(executor, monkeypatch):
     """Copies and comparisons of 16 MiB or more run on several cores in the parent: a
     change in the last slice is seen, and every byte of every slice arrives."""
-    from sharexec import _copies
+    from sharexec import _reduction
 
-    monkeypatch.setattr(_copies, "_CORES", 3)  # 3 slices, even on a 2-core machine
+    monkeypatch.setattr(_reduction, "_CORES", 3)  # 3 slices, even on a 2-core machine
     a = np.random.default_rng(5).random(6_000_000 + 3)  # 48 MB and a ragged end
     a_sum = float(a.sum())
     from multiprocessing import get_context
@@ -314,10 +314,10 @@ def test_large_copies_and_comparisons_run_in_slices_and_miss_no_byte(executor, m
 
 
 def test_a_slice_that_fails_fails_the_whole_and_every_slice_ends_first(monkeypatch):
-    from sharexec import _copies
+    from sharexec import _reduction
 
-    monkeypatch.setattr(_copies, "_CORES", 4)
-    n = 4 * _copies._PARALLEL_SLICE + 5
+    monkeypatch.setattr(_reduction, "_CORES", 4)
+    n = 4 * _reduction._PARALLEL_SLICE + 5
     seen: list[tuple[int, int]] = []
 
     def work(low: int, high: int) -> bool:
@@ -327,7 +327,7 @@ def test_a_slice_that_fails_fails_the_whole_and_every_slice_ends_first(monkeypat
         return True
 
     with pytest.raises(OSError, match="last slice"):
-        _copies._in_parallel(n, work)
+        _reduction._in_parallel(n, work)
     seen.sort()
     assert len(seen) == 4 and seen[0][0] == 0 and seen[-1][1] == n
     assert all(high == low for (_, high), (low, _) in itertools.pairwise(seen))
@@ -621,14 +621,14 @@ ATOMS = (None, True, 3, 2.5, 1j, "text", b"bytes")
 )
 def test_a_plain_call_pickles_as_the_pass_would(call: tuple[Any, ...]) -> None:
     """The plain road writes what the pass writes, only cheaper."""
-    from sharexec import _copies, _reduction, _transport
+    from sharexec import _reduction, _transport
     from sharexec._config import Options
 
     transport = _transport.Transport(Options.resolve({}))
     fn, args, kwargs = call
     plain = transport.plain_call(fn, args, kwargs)
     assert plain is not None
-    by_pass = _reduction.dumps(call, _copies.ForwardSink(transport))
+    by_pass = _reduction.dumps(call, _reduction.ForwardSink(transport))
     assert by_pass.buffers == [] and by_pass.keep == []
     (fn1, args1, kwargs1), (fn2, args2, kwargs2) = (
         pickle.loads(plain),
