@@ -17,8 +17,7 @@ import time
 import numpy as np
 
 import sharexec
-from sharexec import _transport
-from sharexec._reduction import dumps
+from sharexec._reduction import ForwardSink, dumps
 
 SIZE = 4096
 
@@ -38,7 +37,7 @@ def one_call(ex: sharexec.SharedProcessPoolExecutor, items: list[np.ndarray]) ->
 def one_pass(ex: sharexec.SharedProcessPoolExecutor, items: list[np.ndarray]) -> float:
     transport = ex._transport
     start = time.perf_counter()
-    packed = dumps((len, (items,), {}), _transport.ForwardSink(transport))
+    packed = dumps((len, (items,), {}), ForwardSink(transport))
     elapsed = time.perf_counter() - start
     shared = len(packed.buffers)
     del packed
