@@ -180,7 +180,7 @@ def test_cancel_running_and_shutdown_cancel_futures(ex, client):
     """A call given to Dask is running (cancel returns False); one still waiting in the
     executor is not, and is cancelled by cancel() or shutdown(cancel_futures=True)."""
     gate = distributed.Event(f"gate-{os.urandom(4).hex()}", client=client)
-    capacity = _cluster.executor._PER_THREAD * 2  # two workers of one thread
+    capacity = _cluster.connection._PER_THREAD * 2  # two workers of one thread
     futures = [ex.submit(wait_for, gate.name, i) for i in range(capacity + 4)]
     running, waiting = futures[:capacity], futures[capacity:]
     assert_running_soon(running)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .._copies import taken_for
+from .._reduction import argument_owner, buffer_owner
 from ..errors import SegmentError
 from .blobs import _digest, _host, _HostBytes, _in_segment, _zeros
 
@@ -124,20 +126,20 @@ class Sender:
         for s in sent:
             s.release()
 
-    def send(self, data: memoryview, since: int, arguments: list[Any]) -> bytes | _HostBytes:
-        """The digest of ``data``'s bytes, now on the cluster (sent unless they were); or,
-        if they are all zeros, a blob that says so, to travel in the task."""
-        source = data.obj
+    def send(self, data: memoryview, since: int) -> bytes | _HostBytes:
+        """The digest of ``data``'s bytes (a buffer of a call submitted at ``since``), now
+        on the cluster (sent unless they were); or, if they are all zeros, a blob that
+        says so, to travel in the task."""
+        source = buffer_owner(data)
+        argument = argument_owner(data)  # ``source``, if the call was given it
         address = _address(data)
         with self._lock:
             read = self._read.get(id(source))
-            if (  # bytes hashed after the call was submitted, of an argument it was given
+            if (  # the local executor's rule for trusting a copy (_copies.taken_for)
                 read is not None
-                and read.source() is source
                 and (read.address, read.nbytes) == (address, data.nbytes)
-                and read.at > since
                 and read.digest in self.sent
-                and any(source is a for a in arguments)
+                and taken_for(since, read.at, argument, read.source)
             ):
                 self.sent[read.digest].calls += 1
                 self.bytes_reused += data.nbytes
@@ -160,7 +162,7 @@ class Sender:
             with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
                 if not any(ref() is source for ref in sent.sources):
                     sent.sources.append(weakref.ref(source, partial(self._source_gone, digest)))
-                if any(source is a for a in arguments):
+                if argument is not None:
                     ref = weakref.ref(source, partial(self._read_gone, id(source)))
                     self._read[id(source)] = read = _Read(ref, address, data.nbytes, at)
                     read.digest = digest
