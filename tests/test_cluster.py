@@ -673,7 +673,7 @@ def test_an_owned_local_cluster_is_closed_at_shutdown():
     before = segments_now()
     started = time.monotonic()
     with sharexec.ClusterExecutor(n_workers=1, threads_per_worker=1, dashboard_address=":0") as ex:
-        cluster = ex._cluster
+        cluster = ex._connection.cluster
         assert ex.submit(abs, -3).result() == 3
     assert cluster.status.name == "closed" and ex.client.status == "closed"
     assert segments_now() - before == set()

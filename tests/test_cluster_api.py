@@ -327,5 +327,5 @@ def test_kill_workers_kills_the_workers_of_a_cluster_it_started():
     assert isinstance(running.exception(timeout=30), BrokenExecutor)
     assert wait_exit(pids, 30) == []
     ex.shutdown(wait=True)
-    assert ex._cluster.status.name == "closed"
+    assert ex._connection.cluster.status.name == "closed"
     assert segments_now() - before == set()

@@ -2,7 +2,7 @@
 
 ``distributed`` ships no type information: these protocols say what the executor reads
 and calls of a client, a Dask future and a local cluster, so that the rest of the
-package is typed against them instead of ``Any``. They describe, they do not wrap:
+package is typed against them, not left untyped. They describe, they do not wrap:
 the objects are distributed's own.
 """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from .._config import Options
@@ -110,7 +110,7 @@ class Dispatcher:
         call.call = None  # the arguments are read: let go of them
         call.blobs = [self._sender.send(data, call.since) for data in buffers]
 
-    def _where(self, blobs: list[object]) -> dict[str, object]:
+    def _where(self, blobs: Sequence[object]) -> dict[str, object]:
         """Where a task given ``blobs`` may run: a name of the client's copy in the task
         itself can be mapped on this host alone (a worker joining from another host is
         never given it)."""

@@ -24,6 +24,7 @@ from .._config import Options
 from .blobs import _register_sizeof
 from .calls import Calls, _Call, _ClusterFuture
 from .connection import Connection
+from .dask_api import DaskFuture
 from .dispatch import Dispatcher
 from .results import Results
 from .sending import Sender
@@ -95,7 +96,7 @@ class ClusterExecutor(Executor):
         client: distributed.Client | str | None = None,
         *,
         min_share_bytes: int | None = None,
-        **cluster_options: Any,
+        **cluster_options: object,
     ) -> None:
         given = {} if min_share_bytes is None else {"min_share_bytes": min_share_bytes}
         self._options = Options.resolve(given)
@@ -114,11 +115,6 @@ class ClusterExecutor(Executor):
     def client(self) -> distributed.Client:
         """The ``distributed.Client`` the tasks go through."""
         return cast("distributed.Client", self._connection.client)
-
-    @property
-    def _cluster(self) -> object:
-        """The local cluster this executor started, if any (for tests)."""
-        return self._connection.cluster
 
     # -- submit ---------------------------------------------------------------------------
 
@@ -150,7 +146,7 @@ class ClusterExecutor(Executor):
         untyped.add_done_callback(calls.seen_done)
         return future
 
-    def _done(self, call: _Call, remote: Any) -> None:
+    def _done(self, call: _Call, remote: DaskFuture) -> None:
         self._results.done(call, remote)
 
     def _break(self, why: str) -> None:

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import socket
 from collections import ChainMap
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 
@@ -33,8 +32,11 @@ from .._reduction import Sink
 from .._wire import Pickler
 from .worker import _slot
 
+# A reducer of a dispatch table: an object to how it is rebuilt (a reduce tuple).
+Reducer = Callable[[object], object]
 
-class _CrossHost(MutableMapping[type, Any]):
+
+class _CrossHost(MutableMapping[type, "Reducer"]):
     """A reducer table, looked up live, less the reducers that cannot cross hosts.
 
     Left out: the reducers of sockets and multiprocessing connections (loky's and
@@ -47,10 +49,10 @@ class _CrossHost(MutableMapping[type, Any]):
     bytes in the pickle, as it would through Dask.
     """
 
-    def __init__(self, table: Mapping[type, Any]) -> None:
+    def __init__(self, table: Mapping[type, Reducer]) -> None:
         self._table = table
 
-    def __getitem__(self, kind: type) -> Any:
+    def __getitem__(self, kind: type) -> Reducer:
         reduce = self._table[kind]
         if _local_only(kind, reduce):
             raise KeyError(kind)
@@ -62,14 +64,14 @@ class _CrossHost(MutableMapping[type, Any]):
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
-    def __setitem__(self, kind: type, reduce: Any) -> None:
+    def __setitem__(self, kind: type, reduce: Reducer) -> None:
         raise TypeError("read only: the tables are _wire.Pickler's")
 
     def __delitem__(self, kind: type) -> None:
         raise TypeError("read only: the tables are _wire.Pickler's")
 
 
-def _local_only(kind: type, reduce: Any) -> bool:
+def _local_only(kind: type, reduce: Reducer) -> bool:
     """Whether ``reduce`` hands over a resource of this process (see :class:`_CrossHost`)."""
     if isinstance(kind, type) and issubclass(kind, (socket.socket, Connection)):
         return True
@@ -78,7 +80,7 @@ def _local_only(kind: type, reduce: Any) -> bool:
 
 # _wire.Pickler's table (code objects, loky's reducers, multiprocessing's, cloudpickle's),
 # each looked up live, less what cannot cross hosts.
-CROSS_HOST_TABLE: ChainMap[Any, Any] = ChainMap(
+CROSS_HOST_TABLE: ChainMap[type, Reducer] = ChainMap(
     *(_CrossHost(table) for table in Pickler.dispatch_table.maps)
 )
 
@@ -102,12 +104,14 @@ class ClusterSink(Sink):
         # as private arrays (their bytes sent, or in the payload).
         self._snapshots: dict[int, np.ndarray] = {}
 
-    def snapshot(self, a: np.ndarray) -> Any:
+    def snapshot(
+        self, a: np.ndarray
+    ) -> tuple[Callable[[int, np.ndarray], np.ndarray], tuple[int, np.ndarray]] | None:
         if id(a) in self._snapshots:
             return None  # the snapshot made below: its bytes
         self.slots.append(a)
         plain = a.view(np.ndarray)
-        snapshot = plain if plain.flags.c_contiguous else np.ascontiguousarray(plain)
+        snapshot = _alone(plain) if plain.flags.c_contiguous else np.ascontiguousarray(plain)
         self._snapshots[id(snapshot)] = snapshot
         return _slot, (len(self.slots) - 1, snapshot)
 
@@ -117,3 +121,23 @@ class ClusterSink(Sink):
     def clear(self) -> None:
         """Let go of what the pass collected (the arguments' memory among it)."""
         self.slots, self.buffers, self._snapshots = [], [], {}
+
+
+class _Memory:
+    """``nbytes`` at ``address``, as an array interface, keeping ``owner`` alive."""
+
+    def __init__(self, owner: np.ndarray) -> None:
+        self.owner = owner
+        self.__array_interface__ = {
+            "data": (owner.__array_interface__["data"][0], False),
+            "shape": (owner.nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def _alone(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous ``a`` over the same memory, with no array among its bases: the pass
+    sends its own bytes alone (it would send a base ``a`` covers most of)."""
+    data: np.ndarray = np.asarray(_Memory(a))
+    return data.view(a.dtype).reshape(a.shape)

@@ -16,7 +16,6 @@ import threading
 import time
 import weakref
 from functools import partial
-from typing import Any
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from .._copies import taken_for
 from .._reduction import argument_owner, buffer_owner
 from ..errors import SegmentError
 from .blobs import _digest, _host, _HostBytes, _in_segment, _zeros
+from .dask_api import DaskClient, DaskFuture
 
 
 class _Sent:
@@ -37,15 +37,15 @@ class _Sent:
 
     __slots__ = ("calls", "copy", "future", "size", "sources")
 
-    def __init__(self, future: Any, copy: _HostBytes | None, size: int) -> None:
+    def __init__(self, future: DaskFuture | None, copy: _HostBytes | None, size: int) -> None:
         self.future = future
         self.copy = copy  # freed (its segment unlinked) with this record
         self.size = size  # of the bytes, e.g. 200_000_000
         self.calls = 0
-        self.sources: list[weakref.ref[Any]] = []
+        self.sources: list[weakref.ref[object]] = []
 
     @property
-    def given(self) -> Any:
+    def given(self) -> DaskFuture | _HostBytes | None:
         """What a task is given for the blob: its Dask future, or the copy's name."""
         return self.copy if self.future is None else self.future
 
@@ -61,7 +61,7 @@ class _Read:
 
     __slots__ = ("address", "at", "digest", "nbytes", "source")
 
-    def __init__(self, source: weakref.ref[Any], address: int, nbytes: int, at: int) -> None:
+    def __init__(self, source: weakref.ref[object], address: int, nbytes: int, at: int) -> None:
         self.source = source
         self.address = address  # e.g. 140213466341392: where the bytes were
         self.nbytes = nbytes
@@ -85,7 +85,7 @@ class Sender:
     if the object it came from lives.
     """
 
-    def __init__(self, client: Any, token: str, lock: threading.RLock) -> None:
+    def __init__(self, client: DaskClient, token: str, lock: threading.RLock) -> None:
         self._client = client
         self._direct = getattr(client, "direct_to_workers", None) is not False
         self._token = token
@@ -107,7 +107,7 @@ class Sender:
         """The clock: a call is stamped at its submit, a hash at its start."""
         return next(self._clock)
 
-    def given(self, blob: bytes | _HostBytes) -> Any:
+    def given(self, blob: bytes | _HostBytes) -> DaskFuture | _HostBytes | None:
         """What a task is given for one of its blobs (under the lock)."""
         return self.sent[blob].given if isinstance(blob, bytes) else blob
 
@@ -168,7 +168,7 @@ class Sender:
                     read.digest = digest
         return digest
 
-    def _now_holds(self, source: Any, digest: bytes | None) -> None:
+    def _now_holds(self, source: object, digest: bytes | None) -> None:
         """``source`` holds the bytes ``digest`` now (None: zeros), so no other blob is kept
         for it any more (under self._lock)."""
         for other, held in list(self.sent.items()):
@@ -176,7 +176,7 @@ class Sender:
                 held.sources = [r for r in held.sources if r() is not source]
                 self._maybe_release(other, held)
 
-    def _hash(self, data: memoryview) -> tuple[bytes, tuple[str, Any] | None]:
+    def _hash(self, data: memoryview) -> tuple[bytes, tuple[str, object] | None]:
         """The digest of ``data``'s bytes; and the client's copy of them for the workers of
         its host (name and owner of a segment, see _in_segment), written as they are
         hashed, when they are sure to be sent: no blob of their length is on the cluster
@@ -192,7 +192,7 @@ class Sender:
             return _digest(data), None
         return digests[0], copy
 
-    def _scatter(self, digest: bytes, data: memoryview, copy: tuple[str, Any] | None) -> _Sent:
+    def _scatter(self, digest: bytes, data: memoryview, copy: tuple[str, object] | None) -> _Sent:
         """Put ``data``'s bytes on the cluster, as the blob ``digest`` (under self._lock).
 
         When workers share the client's host, the bytes are copied once into a segment
@@ -238,14 +238,14 @@ class Sender:
             self._local = now, workers, len(workers) == len(hosts)
         return workers
 
-    def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
+    def _source_gone(self, digest: bytes, ref: weakref.ref[object]) -> None:
         with self._lock:
             sent = self.sent.get(digest)
             if sent is not None:
                 sent.sources = [r for r in sent.sources if r is not ref]
                 self._maybe_release(digest, sent)
 
-    def _read_gone(self, key: int, ref: weakref.ref[Any]) -> None:
+    def _read_gone(self, key: int, ref: weakref.ref[object]) -> None:
         with self._lock:
             read = self._read.get(key)
             if read is not None and read.source is ref:
