@@ -24,7 +24,6 @@ from .._config import Options
 from .blobs import _register_sizeof
 from .calls import Calls, _Call, _ClusterFuture
 from .connection import Connection
-from .dask_api import DaskFuture
 from .dispatch import Dispatcher
 from .results import Results
 from .sending import Sender
@@ -105,10 +104,15 @@ class ClusterExecutor(Executor):
         self._token = self._connection.token
         self._calls = Calls(on_idle=self._start_closing)
         self._sender = Sender(self._connection.client, self._token, self._calls.lock)
-        self._dispatcher = Dispatcher(
-            self._calls, self._connection, self._sender, self._options, self._done, self._break
-        )
         self._results = Results(self._calls, self._connection, self._sender, self._break)
+        self._dispatcher = Dispatcher(
+            self._calls,
+            self._connection,
+            self._sender,
+            self._options,
+            self._results.done,
+            self._break,
+        )
         self._closer: threading.Thread | None = None  # see _start_closing
 
     @property
@@ -145,9 +149,6 @@ class ClusterExecutor(Executor):
             self._dispatcher.start()
         untyped.add_done_callback(calls.seen_done)
         return future
-
-    def _done(self, call: _Call, remote: DaskFuture) -> None:
-        self._results.done(call, remote)
 
     def _break(self, why: str) -> None:
         self._calls.end_all(why)

@@ -61,17 +61,29 @@ class Results:
         # The calls finished on the cluster whose outcome the results thread has not
         # taken yet, in the order they finished, e.g. [(<_Call>, <Future: finished>)].
         self._arrived: list[tuple[_Call, DaskFuture]] = []
+        self._closed = False  # the results thread is shut down: see done()
 
     def done(self, call: _Call, remote: DaskFuture) -> None:
         """Dask's callback: a call finished on the cluster, the next may go while its
         result comes back."""
         with self._calls.lock:
             self._calls.out_of_dask()
-            self._arrived.append((call, remote))
-        self._thread.submit(self._collect)
+            if not self._closed:
+                self._arrived.append((call, remote))
+                self._thread.submit(self._collect)  # (queued: it waits for nothing)
+                return
+        # After shutdown: the executor broke (terminate_workers, a lost client), its
+        # call ended already, but the task ended only now. Released here, or the
+        # cluster would keep its result for as long as this executor lives.
+        with contextlib.suppress(Exception):  # (a client closed: nothing to free)
+            remote.release()
+        self._calls.finished(call, self._sender.let_go)
 
     def shutdown(self) -> None:
-        """Once every outcome arrived is delivered."""
+        """Once every outcome arrived is delivered; a task that ends later is released
+        as it ends (:meth:`done`)."""
+        with self._calls.lock:
+            self._closed = True
         self._thread.shutdown(wait=True)
 
     def _collect(self) -> None:
