@@ -81,13 +81,7 @@ class CopyCache:
         if remembered is None or (mapping := remembered.ref()) is None:
             return None
         owner = argument_owner(raw)
-        trusted = (
-            task is not None
-            and task < remembered.valid_below
-            and owner is not None
-            and remembered.owner() is owner
-        )
-        if not trusted:
+        if not taken_for(task, remembered.valid_below, owner, remembered.owner):
             compared = self._number()
             if not _same_bytes(low, mapping.address, raw.nbytes):
                 return None
@@ -150,6 +144,20 @@ class CopyCache:
                     if entry[2] and not os.path.isabs(mapping.name):
                         free.append(mapping)
         return free
+
+
+def taken_for(
+    task: int | None, taken: int, owner: object, taken_from: Callable[[], object]
+) -> bool:
+    """The one rule, on both carriers, by which a copy of a task's buffer serves it as it
+    is, without comparing its bytes (local) or hashing them (cluster): the copy was taken
+    after the task's submit (``task < taken``: numbers of one clock) from the very array
+    the task was given as an argument (``owner``, see ``_reduction.argument_owner``;
+    ``taken_from`` a weak reference to the array the copy was taken from). The standard
+    library would pickle the task later still: any moment between its submit and its
+    dispatch is its own. A buffer made while pickling is never trusted (``owner`` None).
+    """
+    return task is not None and task < taken and owner is not None and taken_from() is owner
 
 
 def _weak(owner: object) -> Callable[[], object]:
