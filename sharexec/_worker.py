@@ -34,9 +34,12 @@ import select
 import sys
 import threading
 import time
+import typing
 import weakref
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from . import _loky, _segments, _tracking
 from ._config import KEPT_MAPPINGS, WARM_BYTES, WARM_IDLE_SECONDS, Options
@@ -44,8 +47,16 @@ from ._segments import Mapping
 from ._wire import BufferRef, Pickler, Raised, Reply, is_plain, loads
 from .errors import SegmentError
 
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = [
+    "Call",
+    "CallContext",
     "KeptMappings",
+    "LoadedBatch",
+    "LoadedCall",
+    "PlainCall",
     "kept",
     "load_batch",
     "load_call",
@@ -56,9 +67,79 @@ __all__ = [
 ]
 
 
+# ---------------------------------------------------------------------------------------
+# What a call is made of, in the worker
+# ---------------------------------------------------------------------------------------
+
+# A call as the parent pickles it, by the pass or by the standard pickler (the function,
+# its arguments, its keywords), e.g. (<function square>, (3,), {}).
+Call = tuple[Callable[..., object], tuple[object, ...], dict[str, object]]
+
+# A call of plain arguments in a batch (``Transport.reduce_batch``): its function's index
+# in the batch's functions, its arguments, its keywords or None, e.g. (0, (3,), None). A
+# plain tuple on the wire, not a named one: a NamedTuple pickles 15 times slower (7 µs
+# an entry, where a batch's calls take a few µs each).
+PlainCall = tuple[int, tuple[object, ...], dict[str, object] | None]
+
+# A call's holders of the segments it maps (see KeptMappings), by segment name, held
+# weakly: once a holder is collected, no view of the call lies on that segment any more.
+Holders = list[tuple[str, "weakref.ref[np.ndarray]"]]
+
+
+class CallContext(NamedTuple):
+    """What an executor tells each of its calls, pickled once (``Transport.context``)."""
+
+    options: Options
+    sweeper: tuple[bytes, int]  # the session's sweeper: its address, its generation
+    token: int  # by which the call's result finds the executor (``_wire.register``)
+
+
+@dataclass(slots=True)
+class LoadedCall:
+    """A call rebuilt in the worker (:func:`load_call`), until :func:`run` has run it.
+
+    loky's call item holds it while the call runs: :meth:`take` drops the function and
+    its arguments from it, so that their copy-on-write pages go as early as possible.
+    """
+
+    call: Call | None
+    context: CallContext
+    copies: Holders  # the holders of its argument copies
+    lent: list[tuple[str, int]]  # the warm segments the parent lent for the result
+    shared: Holders  # the holders of its shared arrays' segments
+
+    def take(self) -> Call:
+        """The function, its arguments and keywords, given once."""
+        call, self.call = self.call, None
+        assert call is not None
+        return call
+
+
+@dataclass(slots=True)
+class LoadedBatch:
+    """A batch rebuilt in the worker (:func:`load_batch`): its calls, each a
+    :data:`PlainCall` or a :class:`LoadedCall`, in the order of their work ids."""
+
+    ids: list[int]
+    context: CallContext
+    functions: list[Callable[..., object]] | BaseException  # what PlainCall indexes
+    entries: list[PlainCall | LoadedCall | _Unloadable | None]  # None: ran
+
+
+class _InitTask(Protocol):
+    """The initializer's ``_transport.Task``, as a forked worker inherits it."""
+
+    @property
+    def fn(self) -> Callable[..., object] | None: ...
+    @property
+    def args(self) -> tuple[object, ...] | None: ...
+    @property
+    def kwargs(self) -> dict[str, object] | None: ...
+
+
 def run_initializer(
     parent_pid: int,
-    call: Any,
+    call: _InitTask | LoadedCall | _Unloadable | None,
     sweeper: _tracking.SweeperAddress,
     forked: list[bytes],
 ) -> None:
@@ -66,7 +147,7 @@ def run_initializer(
     sweeper's to sweep; then the user's initializer, if any.
 
     ``call`` is None, the initializer's ``_transport.Task`` itself (fork: inherited, not
-    pickled), or what that task's reduction rebuilt: ``[(fn, args, kwargs), options, ...]``.
+    pickled), or what that task's reduction rebuilt (a :class:`LoadedCall`).
     ``forked``: under fork, the initializer's function as the parent pickled it before the
     first worker forked, if it could (``_wire.dumps_sharing_globals``). Inherited as it
     is, it would run in the worker's copy of its module, and the calls' functions in
@@ -77,12 +158,15 @@ def run_initializer(
     _loky.count_private_memory_only()
     if call is None:
         return
-    if isinstance(call, list):
-        (fn, args, kwargs), *_ = call
+    if isinstance(call, _Unloadable):
+        _raise_unloadable(call)
+    if isinstance(call, LoadedCall):
+        fn, args, kwargs = call.take()
     else:
-        fn, args, kwargs = call.fn, call.args, call.kwargs or {}
-        if forked:
-            fn = pickle.loads(forked[0])
+        inherited, args_or_none, kwargs = call.fn, call.args, call.kwargs or {}
+        assert inherited is not None and args_or_none is not None
+        fn = pickle.loads(forked[0]) if forked else inherited
+        args = args_or_none
     fn(*args, **kwargs)
 
 
@@ -96,22 +180,22 @@ def load_call(
     buffers: list[BufferRef],
     lent: list[tuple[str, int]],
     context: bytes,
-) -> Any:
+) -> LoadedCall | _Unloadable:
     """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared.
 
     ``lent``: the warm segments the parent lent for the result, (name, size);
-    ``context``: what the executor tells each call, pickled once (see :func:`_context`).
+    ``context``: what the executor tells each call, pickled once (a :class:`CallContext`).
     """
-    options, (sweeper, generation), token = _context(context)
+    about = _context(context)
     # Segments this worker creates are the root's sweeper's to sweep: a new one if the
     # root started one again.
-    _tracking.join_sweeper(sweeper, generation)
-    holders: dict[str, Any] = {}
-    shared_holders: dict[str, Any] = {}  # the holders of this call's shared views
+    _tracking.join_sweeper(*about.sweeper)
+    holders: dict[str, np.ndarray] = {}
+    shared_holders: dict[str, np.ndarray] = {}  # the holders of this call's shared views
     kept.drop_unlinked()
     try:
         with _tracking.attached_shared(shared_holders) as shared:
-            call = loads(payload, buffers, kept.hold_copy, holders)
+            call = cast(Call, loads(payload, buffers, kept.hold_copy, holders))
     except Exception as exc:
         # This runs while loky unpickles the call item, where an exception breaks the
         # whole pool (as the standard library's does: its worker dies). The call item
@@ -120,16 +204,15 @@ def load_call(
         return _Unloadable(exc)
     if shared:
         kept.keep_shared(shared)
-    # A list, so that run() can empty it: loky's call item holds it during the call.
     # Its shared arrays are reported released too, once no view of this call holds
     # them: the parent may then serve their segments again (_arrays.Recycling).
-    return [
+    return LoadedCall(
         call,
-        options,
+        about,
         [(n, weakref.ref(h)) for n, h in holders.items()],
-        (token, lent),
+        lent,
         [(n, weakref.ref(h)) for n, h in shared_holders.items()],
-    ]
+    )
 
 
 class _Unloadable:
@@ -137,18 +220,26 @@ class _Unloadable:
     ``__array_finalize__`` raises, a class missing in the worker): :func:`run` raises
     ``error``."""
 
+    __slots__ = ("error",)
+
     def __init__(self, error: Exception) -> None:
         self.error: Exception | None = error
 
 
+def _raise_unloadable(call: _Unloadable) -> typing.NoReturn:
+    """Raise the error of a call that failed to rebuild, once."""
+    error, call.error = call.error, None  # loky's call item holds the call meanwhile
+    assert error is not None
+    raise error  # with its traceback from load_call
+
+
 # The contexts of the calls this worker received, by their pickle (one per executor, and
 # per sweeper it started).
-_contexts: dict[bytes, tuple[Options, tuple[bytes, int], int]] = {}
+_contexts: dict[bytes, CallContext] = {}
 
 
-def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
-    """The executor's options, its sweeper's address and generation, and its results'
-    token."""
+def _context(blob: bytes) -> CallContext:
+    """An executor's context, from its pickle."""
     found = _contexts.get(blob)
     if found is None:
         if len(_contexts) >= 8:
@@ -157,7 +248,7 @@ def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
     return found
 
 
-def run(call: Any) -> Any:
+def run(call: LoadedCall | _Unloadable) -> object:
     """Run a call in the worker and pack its result for the way back (:func:`_pack`).
 
     Whatever the call raises, here or while its result is packed, is sent back as its
@@ -173,30 +264,27 @@ def run(call: Any) -> Any:
         return Raised(exc)
 
 
-def _run(call: Any) -> Any:
+def _run(call: LoadedCall | _Unloadable) -> object:
     if type(call) is _Unloadable:
-        error, call.error = call.error, None  # loky's call item holds the call meanwhile
-        assert error is not None
-        raise error  # with its traceback from load_call
-    (fn, args, kwargs), options, mapped, (token, lent), shared = call
-    call.clear()
+        _raise_unloadable(call)
+    assert type(call) is LoadedCall
+    fn, args, kwargs = call.take()
     start = time.perf_counter()
     try:
         result = fn(*args, **kwargs)
     finally:
         _loky.note_run_seconds(time.perf_counter() - start)
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
-    return _pack(result, options, mapped, token, lent, shared)
+    return _pack(result, call.context, call.copies, call.lent, call.shared)
 
 
 def _pack(
-    result: Any,
-    options: Options,
-    mapped: list[tuple[str, weakref.ref[Any]]],
-    token: int,
+    result: object,
+    context: CallContext,
+    mapped: Holders,
     lent: list[tuple[str, int]],
-    shared: list[tuple[str, weakref.ref[Any]]],
-) -> Any:
+    shared: Holders,
+) -> object:
     """A call's result, for the way back; the cheapest road that is still exact:
 
     * a plain value (``None``, a number, a string, bytes; or a short tuple or list of
@@ -215,6 +303,7 @@ def _pack(
         kept.after_task(released)
     if shared:
         released += [name for name, ref in shared if ref() is None]
+    options, _, token = context
     lost = _tracking.sweeper_lost()  # the root restarts the sweeper if it is gone
     if is_plain(result):
         if not mapped and not shared and not lost:  # nothing to tell but the value
@@ -236,21 +325,27 @@ def _pack(
 # ---------------------------------------------------------------------------------------
 
 
-def load_batch(ids: list[int], context: bytes, functions: bytes, entries: list[Any]) -> Any:
+def load_batch(
+    ids: list[int],
+    context: bytes,
+    functions: bytes,
+    entries: list[PlainCall | LoadedCall | _Unloadable | None],
+) -> LoadedBatch:
     """Rebuild a batch of calls in the worker (``Transport.reduce_batch``): ``entries``
-    are ``(function index, args, kwargs)`` for calls of plain arguments, whose functions
-    are pickled once in ``functions``, and what :func:`load_call` rebuilt for the others.
+    are a :data:`PlainCall` for each call of plain arguments, whose functions are pickled
+    once in ``functions``, and what :func:`load_call` rebuilt for the others.
     """
-    options, (sweeper, generation), token = _context(context)
-    _tracking.join_sweeper(sweeper, generation)
+    about = _context(context)
+    _tracking.join_sweeper(*about.sweeper)
+    loaded: list[Callable[..., object]] | BaseException
     try:
-        loaded: Any = pickle.loads(functions)
+        loaded = pickle.loads(functions)
     except Exception as exc:  # each call of these functions fails with it, alone
         loaded = exc
-    return [ids, options, token, loaded, entries]
+    return LoadedBatch(ids, about, loaded, entries)
 
 
-def run_batch(batch: Any) -> _loky.BatchOutcome:
+def run_batch(batch: LoadedBatch) -> _loky.BatchOutcome:
     """Run a batch's calls in order, each with its own outcome and run time: a call that
     raises fails alone, and the next one runs.
 
@@ -259,30 +354,23 @@ def run_batch(batch: Any) -> _loky.BatchOutcome:
     the outcomes ended so far are sent with them (:class:`_Streamer`). What this returns
     is the rest.
     """
-    ids, options, token, functions, entries = batch
-    batch.clear()
+    ids, entries = batch.ids, batch.entries
     running = _streamer.start(ids, entries)
     try:
-        _run_batch(ids, options, token, functions, entries, running, time.perf_counter)
+        _run_batch(batch, running, time.perf_counter)
     finally:
         rest = _streamer.stop()
     return rest
 
 
-def _run_batch(
-    ids: list[int],
-    options: Options,
-    token: int,
-    functions: Any,
-    entries: list[Any],
-    running: _Running,
-    clock: Any,
-) -> None:
-    for at, work_id in enumerate(ids):
+def _run_batch(batch: LoadedBatch, running: _Running, clock: Callable[[], float]) -> None:
+    entries, functions = batch.entries, batch.functions
+    for at, work_id in enumerate(batch.ids):
         entry, entries[at] = entries[at], None  # dropped as soon as it ran
         start = clock()
         try:
-            if type(entry) is not tuple:
+            if not isinstance(entry, tuple):  # a call that went alone (see load_call)
+                assert entry is not None
                 value = run(entry)
             else:
                 index, args, kwargs = entry
@@ -291,7 +379,7 @@ def _run_batch(
                     raise functions.with_traceback(functions.__traceback__)
                 result = functions[index](*args, **(kwargs or {}))
                 del args, kwargs
-                value = _pack(result, options, [], token, [], [])
+                value = _pack(result, batch.context, [], [], [])
                 del result
         except BaseException as exc:  # sent back as its result, as run() sends it
             value = Raised(exc)
@@ -305,7 +393,12 @@ class _Running:
     """The running batch, shared with the streamer's thread: its outcomes not sent yet,
     and where it ends (the calls from ``end`` on were handed back)."""
 
-    def __init__(self, lock: threading.Lock, ids: list[int], entries: list[Any]) -> None:
+    def __init__(
+        self,
+        lock: threading.Lock,
+        ids: list[int],
+        entries: list[PlainCall | LoadedCall | _Unloadable | None],
+    ) -> None:
         self.lock = lock
         self.ids = ids
         self.entries = entries
@@ -315,7 +408,7 @@ class _Running:
         self.started = time.monotonic()
         self.held = False  # whether it held its calls past the bound: nothing more to do
 
-    def add(self, work_id: int, value: Any, seconds: float) -> int:
+    def add(self, work_id: int, value: object, seconds: float) -> int:
         """A call ended with ``value``; returns ``end``."""
         with self.lock:
             self.unsent.add(work_id, value, seconds)
@@ -369,7 +462,9 @@ class _Streamer:
         self._running: _Running | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, ids: list[int], entries: list[Any]) -> _Running:
+    def start(
+        self, ids: list[int], entries: list[PlainCall | LoadedCall | _Unloadable | None]
+    ) -> _Running:
         running = _Running(self._lock, ids, entries)
         with self._wake:
             self._running = running
@@ -412,12 +507,12 @@ _streamer = _Streamer()
 os.register_at_fork(after_in_child=_streamer.reset)
 
 
-def run_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:
+def run_chunk(fn: Callable[..., object], chunk: list[tuple[object, ...]]) -> list[object]:
     """Run ``fn`` over a chunk of ``map``'s calls, in order (``map(chunksize=...)``)."""
     return [fn(*args) for args in chunk]
 
 
-def _dumps_in_band(result: Any, options: Options) -> bytes | None:
+def _dumps_in_band(result: object, options: Options) -> bytes | None:
     """Pickle ``result`` as the backward pass would, in a worker that has no NumPy.
 
     Without NumPy there is no array to share: every out-of-band buffer stays in band,
@@ -455,7 +550,7 @@ class _Kept:
 
     def __init__(self, mapping: Mapping) -> None:
         self.mapping = mapping
-        self.holders: list[weakref.ref[Any]] = []
+        self.holders: list[weakref.ref[np.ndarray]] = []
         self.clean = False
 
 
@@ -549,7 +644,7 @@ class KeptMappings:
 
     # -- what tasks call -----------------------------------------------------------------
 
-    def hold_copy(self, name: str, size: int, watch: bool = False) -> Any:
+    def hold_copy(self, name: str, size: int, watch: bool = False) -> np.ndarray:
         """A new holder of the bytes of the copy segment ``name`` for one task: a byte
         array over a kept mapping of it if one may be reused, else over a fresh one, kept.
 
