@@ -39,7 +39,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, cast
 
 from . import _loky, _segments, _tracking
 from ._config import KEPT_MAPPINGS, WARM_BYTES, WARM_IDLE_SECONDS, Options
@@ -49,6 +49,8 @@ from .errors import SegmentError
 
 if TYPE_CHECKING:
     import numpy as np
+
+T = TypeVar("T")
 
 __all__ = [
     "Call",
@@ -507,7 +509,7 @@ _streamer = _Streamer()
 os.register_at_fork(after_in_child=_streamer.reset)
 
 
-def run_chunk(fn: Callable[..., object], chunk: list[tuple[object, ...]]) -> list[object]:
+def run_chunk(fn: Callable[..., T], chunk: list[tuple[object, ...]]) -> list[T]:
     """Run ``fn`` over a chunk of ``map``'s calls, in order (``map(chunksize=...)``)."""
     return [fn(*args) for args in chunk]
 
