@@ -176,10 +176,10 @@ def rebuild_shared(
     holders = _tracking.call_holders()
     buffer: Mapping | np.ndarray = mapping
     if holders is not None:
-        held = holders.get(name)
-        if held is None:
-            held = holders[name] = np.frombuffer(mapping, np.uint8)
-        buffer = held
+        holder = holders.get(name)
+        if holder is None:
+            holder = holders[name] = np.frombuffer(mapping, np.uint8)
+        buffer = holder
     view: SharedArray = SharedArray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
     view.flags.writeable = writeable  # a read-only view stays read-only everywhere
     return view

@@ -604,7 +604,7 @@ class _Future(LokyFuture):
 
     def _release(self, delivered: Delivered | None) -> None:
         """Release the task's segments, once, before the future is seen done."""
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             task, self.task = self.task, None
         finally:

@@ -71,7 +71,7 @@ __all__ = [
 TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 STORAGE = torch.UntypedStorage
 
-# Whether this torch can swap a storage's memory in place (a private method, which torch
+# Whether this torch can swap a storage's memory in place (an underscored method, which torch
 # 2.13 has): if not, private tensors go through torch's own reducer.
 CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
@@ -165,7 +165,7 @@ def rebuild_shared_storage(
 
 
 def rebuild_storage(buffer: memoryview | bytes | bytearray) -> torch.UntypedStorage:
-    """A storage over a buffer of its own (a result's private copy), zero-copy."""
+    """A storage over a buffer of its own (a result's copy of its bytes), zero-copy."""
     return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 

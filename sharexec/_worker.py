@@ -11,7 +11,7 @@
 * A batch (several queued calls in one message, see :mod:`sharexec._batching`): it
   rebuilds as :func:`load_batch`, and :func:`run_batch` runs its calls in order, each
   with its own outcome and run time; a thread of the worker (:class:`_Streamer`) hands
-  back the calls not started once the batch has held them too long.
+  back the calls not started once the batch has kept them too long.
 * ``map(chunksize=n)``: :func:`run_chunk` runs a chunk's calls in order.
 * Mappings kept between tasks: :class:`KeptMappings` (one per process, :data:`kept`),
   also used by the cluster executor's Dask workers.
@@ -351,7 +351,7 @@ def run_batch(batch: LoadedBatch) -> _loky.BatchOutcome:
     """Run a batch's calls in order, each with its own outcome and run time: a call that
     raises fails alone, and the next one runs.
 
-    A batch holds its calls for :attr:`_Streamer.HOLD_SECONDS` at most: past that, the
+    A batch keeps its calls for :attr:`_Streamer.HAND_BACK_SECONDS` at most: past that, the
     calls not started yet are handed back to the parent, which queues them again, and
     the outcomes ended so far are sent with them (:class:`_Streamer`). What this returns
     is the rest.
@@ -408,7 +408,7 @@ class _Running:
         self.ran = 0  # calls ended
         self.end = len(ids)  # calls it may start: those before this index
         self.started = time.monotonic()
-        self.held = False  # whether it held its calls past the bound: nothing more to do
+        self.handed_back = False  # whether it handed its calls back: nothing more to do
 
     def add(self, work_id: int, value: object, seconds: float) -> int:
         """A call ended with ``value``; returns ``end``."""
@@ -421,7 +421,7 @@ class _Running:
         """Stop after the call running now: the outcomes not sent yet, with the ids of
         the calls not started (``returned``), which will not run here."""
         with self.lock:
-            self.held = True
+            self.handed_back = True
             self.end = end = min(self.end, self.ran + 1)
             taken, self.unsent = self.unsent, _loky.BatchOutcome()
             if end < len(self.ids):
@@ -442,17 +442,17 @@ class _Running:
 
 
 class _Streamer:
-    """Hands a batch's calls back when the batch holds them too long.
+    """Hands a batch's calls back when the batch keeps them too long.
 
     A batch is sized to end within a few ms, and its outcomes then go back together, as
-    the batch's result. If it runs longer than ``HOLD_SECONDS`` (a call runs long, or
+    the batch's result. If it runs longer than ``HAND_BACK_SECONDS`` (a call runs long, or
     waits for a call after it), a thread of this worker (a daemon, started with the
     first batch) cuts the batch short: the calls not started yet are handed back to the
     parent, which queues them again for any worker, and the outcomes ended so far go
     with them. The call running now ends the batch; its outcome is the batch's result.
     """
 
-    HOLD_SECONDS = 0.005
+    HAND_BACK_SECONDS = 0.005
 
     def __init__(self) -> None:
         self.reset()
@@ -488,10 +488,10 @@ class _Streamer:
         while True:
             with self._wake:
                 running = self._running
-                if running is None or running.held:
+                if running is None or running.handed_back:
                     self._wake.wait()  # until the next batch starts
                     continue
-                wait = running.started + self.HOLD_SECONDS - time.monotonic()
+                wait = running.started + self.HAND_BACK_SECONDS - time.monotonic()
                 if wait > 0:
                     self._wake.wait(wait)
                     continue
@@ -564,7 +564,7 @@ class KeptMappings:
     22 ms through a fresh mapping, 15 ms through a kept one; a fresh shared mapping of
     128 MiB costs a task 7 ms of faults. Three kinds are kept:
 
-    * private (copy-on-write) mappings of the argument copies the tasks received
+    * copy-on-write mappings of the argument copies the tasks received
       (:meth:`hold_copy`). Each task gets its own *holder* of a copy's bytes (an array
       over the mapping): the task's arrays are views of it, and the copy is *released*
       (the parent may pool it, and rewrite it with other bytes) when the holder dies,
@@ -581,7 +581,7 @@ class KeptMappings:
       (:meth:`attach_lent`), written only when lent again.
 
     Bounded: at most ``max_bytes`` and ``max_mappings``, least recently used dropped
-    first; a mapping written into is dropped once its task is done (its private pages
+    first; a mapping written into is dropped once its task is done (the pages it wrote
     are memory of this worker's own); a segment the parent unlinked is dropped at the
     next call (its memory lives as long as a mapping does), or as soon as it is removed
     between tasks; everything is dropped after ``idle_seconds`` without a task. The
@@ -690,7 +690,7 @@ class KeptMappings:
         fresh one (every page mapped up front, 2 ms per 64 MiB), kept.
 
         Kept, it is written only when lent again: the parent lends a segment to one task
-        at a time, and holds it as a private result in between.
+        at a time, and it stays the parent's in between (pooled, or a result's).
         """
         with self._lock:
             entry = self._kept.pop(name, None)
@@ -750,7 +750,7 @@ class KeptMappings:
         if entry is None:
             return None
         if not entry.mapping.private or len(entry.mapping) != size:
-            return None  # kept shared (lent before, say): a copy needs its own private mapping
+            return None  # kept shared (lent before, say): a copy needs a copy-on-write mapping
         if any(ref() is not None for ref in entry.holders):
             return None  # a view of an earlier task lives on it: this task maps its own
         if not entry.clean and _segments.written(entry.mapping):

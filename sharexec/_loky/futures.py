@@ -93,7 +93,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
       by several futures would make that order no order at all, and two threads waiting
       on futures of two executors deadlock. The swap is made under the shared lock, and
       what changes the state takes the shared lock first, then (released) the future's
-      own if there is one (``_hold``).
+      own if there is one (``_take_lock``).
     * Its lists of waiters (``wait`` and ``as_completed`` put theirs there) and of done
       callbacks are made when first asked for. ``result()`` and ``exception()`` that have
       to wait put a waiter of their own there too (:class:`_Awaited`, a held lock): a
@@ -127,7 +127,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
                     own = self._own_lock = threading.RLock()
         return own
 
-    def _hold(self) -> threading.RLock:
+    def _take_lock(self) -> threading.RLock:
         """Take the lock that guards the future's state now, and return it (to release):
         the shared one while the future has no lock of its own. Never held while another
         future's lock is taken, but in the standard library's order."""
@@ -156,7 +156,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
         """Wait until this future is done (cancelled, or with its outcome), or ``timeout``."""
         if self._state in _DONE:
             return
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state in _DONE:
                 return
@@ -167,7 +167,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
         try:
             awaited.wait(timeout)
         finally:
-            lock = self._hold()
+            lock = self._take_lock()
             try:
                 self._waiters.remove(awaited)
             finally:
@@ -208,7 +208,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
         return self._state in _CANCELLED
 
     def add_done_callback(self, fn: Callable[[LokyFuture], object]) -> None:
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state not in _DONE:
                 self._done_callbacks.append(fn)
@@ -223,7 +223,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
     def cancel(self) -> bool:
         if self._state == _FINISHED:
             return False
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state in (futures_base.RUNNING, _FINISHED):
                 return False
@@ -241,7 +241,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
     def set_pending_again(self) -> None:
         """Its call was handed back unstarted (a batch's, see ``_Manager``): pending
         again, so it may be cancelled until it is handed out again."""
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state == futures_base.RUNNING:
                 self._state = futures_base.PENDING
@@ -249,7 +249,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
             lock.release()
 
     def set_running_or_notify_cancel(self) -> bool:
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state == futures_base.CANCELLED:
                 self._state = futures_base.CANCELLED_AND_NOTIFIED
@@ -273,7 +273,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
     def _finish(self, result: object, exception: BaseException | None, tell: str) -> None:
         """Done with its outcome: the waiters told (``tell``, their method), then the
         callbacks called."""
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state in _DONE:
                 raise futures_base.InvalidStateError(f"{self._state}: {self!r}")

@@ -5,7 +5,7 @@ queue) with subclasses, made in loky's ``_setup_queues`` hook. loky pickles ever
 with a fresh cloudpickle pickler (about 15 µs of set-up, more than the rest of a tiny
 task's trip); the calls and replies sharexec puts there are reduced to bytes and segment
 names already, so the call queue's feeder thread (multiprocessing's, rebuilt on the
-queue's private parts: :func:`_feed`) and the result queue's ``put`` pickle those
+queue's inner parts: :func:`_feed`) and the result queue's ``put`` pickle those
 envelopes with the standard pickler, and anything else (a task's exception, loky's own
 messages) as loky does. Worker recycling (``max_tasks_per_child``, which loky's
 constructor lacks) rides on loky's clean-exit protocol, quietly. In a worker:
