@@ -79,7 +79,7 @@ class Sliceable(Protocol):
     """What holds a segment's bytes for :func:`loads`: a buffer that slices without
     copying (a memoryview, a byte array of NumPy's)."""
 
-    def __getitem__(self, index: slice, /) -> Any: ...
+    def __getitem__(self, index: slice, /) -> object: ...
 
 
 Bytes = TypeVar("Bytes", bound=Sliceable)
@@ -370,6 +370,8 @@ def dumps_sharing_globals(obj: object) -> bytes:
 class Reply:
     """A result on its way back: a small payload and the segments handed to the parent."""
 
+    __slots__ = ("buffers", "keep", "lost", "payload", "released", "token")
+
     def __init__(
         self,
         payload: bytes,
@@ -470,6 +472,8 @@ class Delivered:
     worker let go of, and the sizes of the large buffers it came in (what to lend the
     function's next tasks)."""
 
+    __slots__ = ("released", "sizes", "value")
+
     def __init__(self, value: object, released: list[str], sizes: list[int]) -> None:
         self.value = value
         self.released = frozenset(released)
@@ -479,6 +483,8 @@ class Delivered:
 class Failure:
     """An outcome whose future raises ``error`` instead of returning: the task's
     exception (:func:`load_raised`), or the reason its result could not be rebuilt."""
+
+    __slots__ = ("error",)
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
