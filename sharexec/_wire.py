@@ -383,7 +383,7 @@ class Reply:
     ) -> None:
         self.payload = payload
         self.buffers = buffers
-        self.released = released  # the argument copies the worker no longer maps
+        self.released = released  # the call's segments it released (see Delivered)
         self.token = token  # the receiver of the executor that sent the call
         self.keep = keep  # the mappings the payload refers to, held until it is sent
         self.lost = lost  # the worker could not reach the sweeper: the root checks it
