@@ -79,8 +79,8 @@ Call = tuple[Callable[..., object], tuple[object, ...], dict[str, object]]
 
 # A call of plain arguments in a batch (``Transport.reduce_batch``): its function's index
 # in the batch's functions, its arguments, its keywords or None, e.g. (0, (3,), None). A
-# plain tuple on the wire, not a named one: a NamedTuple pickles 15 times slower (7 µs
-# an entry, where a batch's calls take a few µs each).
+# plain tuple on the wire, not a named one: a list of NamedTuples pickles 8 to 15 times
+# slower (1 to 64 entries), where a batch's calls take a few µs each.
 PlainCall = tuple[int, tuple[object, ...], dict[str, object] | None]
 
 # A call's holders of the segments it maps (see KeptMappings), by segment name, held
@@ -149,7 +149,8 @@ def run_initializer(
     sweeper's to sweep; then the user's initializer, if any.
 
     ``call`` is None, the initializer's ``_transport.Task`` itself (fork: inherited, not
-    pickled), or what that task's reduction rebuilt (a :class:`LoadedCall`).
+    pickled), or what that task's reduction rebuilt: a :class:`LoadedCall`, or an
+    :class:`_Unloadable` whose error is raised here (loky's worker logs it).
     ``forked``: under fork, the initializer's function as the parent pickled it before the
     first worker forked, if it could (``_wire.dumps_sharing_globals``). Inherited as it
     is, it would run in the worker's copy of its module, and the calls' functions in
