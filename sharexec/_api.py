@@ -17,11 +17,25 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
-from typing import Any, TypeVar
+from typing import Protocol, TypeVar
 
-__all__ = ["Statistics", "map_calls", "submit_future"]
+__all__ = ["Pending", "Statistics", "map_calls", "submit_future"]
 
 E = TypeVar("E", bound=Executor)
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+X = TypeVar("X")
+
+# The items of one call of ``map``, one of each iterable, e.g. (3, "a").
+Items = tuple[object, ...]
+
+
+class Pending(Protocol[T_co]):
+    """What submitting one of ``map``'s calls gives: its future (or ``_executor._Slot``)."""
+
+    def result(self, timeout: float | None = None) -> T_co: ...
+
+    def cancel(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -97,13 +111,13 @@ class Statistics:
 
 def map_calls(
     executor: E,
-    iterables: tuple[Iterable[Any], ...],
+    iterables: tuple[Iterable[object], ...],
     timeout: float | None,
     chunksize: int,
     buffersize: int | None,
-    submit_one: Callable[[E, tuple[Any, ...]], Any],
-    run_chunk: Callable[..., list[Any]],
-) -> Iterator[Any]:
+    submit_one: Callable[[E, Items], Pending[T]],
+    run_chunk: Callable[[list[Items]], list[T]],
+) -> Iterator[T]:
     """``executor.map``: one call per item through ``submit_one(executor, items)``, or,
     with a ``chunksize`` above 1, one call of ``run_chunk(chunk)`` per chunk of them,
     submitted as :meth:`~concurrent.futures.Executor.submit` does."""
@@ -128,23 +142,23 @@ def check_map(chunksize: int, buffersize: int | None) -> None:
         raise ValueError("chunksize must be >= 1.")
 
 
-def batched(items: Iterator[tuple[Any, ...]], n: int) -> Iterator[list[tuple[Any, ...]]]:
+def batched(items: Iterator[X], n: int) -> Iterator[list[X]]:
     """``items`` in lists of ``n`` (the last may be shorter), as they are taken."""
     while chunk := list(islice(items, n)):
         yield chunk
 
 
-def submit_future(fn: Callable[..., Any], executor: E, args: tuple[Any, ...]) -> Future[Any]:
+def submit_future(fn: Callable[..., T], executor: E, args: Items) -> Future[T]:
     return executor.submit(fn, *args)
 
 
 def results(
     executor: E,
-    submit: Callable[[E, tuple[Any, ...]], Any],
-    calls: Iterator[tuple[Any, ...]],
+    submit: Callable[[E, Items], Pending[T]],
+    calls: Iterator[Items],
     timeout: float | None,
     buffersize: int | None,
-) -> Iterator[Any]:
+) -> Iterator[T]:
     """Submit the calls (all now, or ``buffersize`` ahead) and iterate their results.
 
     The standard library's ``Executor.map`` of Python 3.14, which older Pythons lack
@@ -156,7 +170,7 @@ def results(
     # Weakly: an executor is collected (and shut down) as usual while this iterator lives.
     owner = weakref.ref(executor)
 
-    def iterate() -> Iterator[Any]:
+    def iterate() -> Iterator[T]:
         try:
             while futures:
                 if buffersize is not None:
@@ -178,7 +192,7 @@ def results(
     return iterate()
 
 
-def _result_or_cancel(future: Future[Any], timeout: float | None = None) -> Any:
+def _result_or_cancel(future: Pending[T], timeout: float | None = None) -> T:
     try:
         try:
             return future.result(timeout)
@@ -188,7 +202,7 @@ def _result_or_cancel(future: Future[Any], timeout: float | None = None) -> Any:
         del future  # breaks the cycle of an exception's traceback with this frame
 
 
-def flatten(chunks: Iterator[list[Any]]) -> Iterator[Any]:
+def flatten(chunks: Iterator[list[T]]) -> Iterator[T]:
     """The items of each chunk's list of results, holding none once yielded."""
     for chunk in chunks:
         chunk.reverse()

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, Protocol, SupportsIndex, TypeVar, overload
 
@@ -82,7 +82,7 @@ def byte_bounds(a: np.ndarray) -> tuple[int, int]:
 
 
 def rebuild_view(
-    buffer: Any,
+    buffer: memoryview | bytes | bytearray | np.ndarray,
     offset: int,
     shape: tuple[int, ...],
     strides: tuple[int, ...] | None,
@@ -101,7 +101,7 @@ def rebuild_view(
 class SharedArray(np.ndarray):
     """A :class:`numpy.ndarray` whose memory lives in a shared-memory segment.
 
-    Any view of it (slice, transpose, reshape) shares the same memory: passed to a
+    Every view of it (slice, transpose, reshape) shares the same memory: passed to a
     sharexec executor or through :mod:`multiprocessing`, it travels by reference, and
     writes made by any process are seen by all. New arrays computed from it (``a + 1``)
     are ordinary arrays. Pickled to a file or with :mod:`pickle`, it stores its data and
@@ -109,31 +109,31 @@ class SharedArray(np.ndarray):
     """
 
     def __array_wrap__(
-        self, obj: np.ndarray, context: Any = None, return_scalar: bool = False
-    ) -> Any:
+        self, obj: np.ndarray, context: object = None, return_scalar: bool = False
+    ) -> Any:  # numpy's: an array, or a scalar (return_scalar)
         if return_scalar:
             return obj[()]
         if is_shared(obj):
             return obj if isinstance(obj, SharedArray) else obj.view(SharedArray)
         return obj.view(np.ndarray)
 
-    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[object, ...]:
         # Plain pickle: the data, as an ordinary array. (sharexec's own pickler and
         # multiprocessing's reach this only for arrays not in a segment any more.)
         return self.view(np.ndarray).__reduce_ex__(protocol)
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> str | tuple[object, ...]:
         return self.view(np.ndarray).__reduce__()
 
 
-def is_shared(a: Any) -> bool:
+def is_shared(a: object) -> bool:
     """Whether ``a`` is an array whose memory lies in a sharexec shared segment, or a
     PyTorch tensor in shared memory (a sharexec segment, or torch's own).
 
     Parameters
     ----------
     a : object
-        Any object; only :class:`numpy.ndarray` instances and tensors can be shared.
+        Whatever object: only :class:`numpy.ndarray` instances and tensors can be shared.
 
     Returns
     -------
@@ -149,7 +149,7 @@ def is_shared(a: Any) -> bool:
     return False
 
 
-def _is_tensor(a: Any) -> bool:
+def _is_tensor(a: object) -> bool:
     """Whether ``a`` is a PyTorch tensor (without importing torch: if it is not loaded,
     nothing is a tensor)."""
     torch = sys.modules.get("torch")
@@ -174,17 +174,20 @@ def rebuild_shared(
     """
     mapping = _tracking.attach_shared(name, size, adopt)
     holders = _tracking.call_holders()
-    buffer: Any = mapping
+    buffer: Mapping | np.ndarray = mapping
     if holders is not None:
-        buffer = holders.get(name)
-        if buffer is None:
-            buffer = holders[name] = np.frombuffer(mapping, np.uint8)
+        holder = holders.get(name)
+        if holder is None:
+            holder = holders[name] = np.frombuffer(mapping, np.uint8)
+        buffer = holder
     view: SharedArray = SharedArray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
     view.flags.writeable = writeable  # a read-only view stays read-only everywhere
     return view
 
 
-def reduce_shared(a: np.ndarray, mapping: Mapping, adopt: bool = False) -> Any:
+def reduce_shared(
+    a: np.ndarray, mapping: Mapping, adopt: bool = False
+) -> tuple[Callable[..., SharedArray], tuple[object, ...]]:
     """The by-reference reduction of ``a``, a view into ``mapping``."""
     first = a.__array_interface__["data"][0] - mapping.address
     return rebuild_shared, (
@@ -199,7 +202,9 @@ def reduce_shared(a: np.ndarray, mapping: Mapping, adopt: bool = False) -> Any:
     )
 
 
-def _reduce_for_multiprocessing(a: SharedArray) -> Any:
+def _reduce_for_multiprocessing(
+    a: SharedArray,
+) -> str | tuple[Callable[..., object], tuple[object, ...]]:
     found = _tracking.find_shared(*byte_bounds(a))
     if found is None:
         return a.view(np.ndarray).__reduce__()
@@ -324,7 +329,7 @@ class Recycling:
         weakref.finalize(holder, self._collected, mapping)
         return holder
 
-    def sent(self, mappings: Any) -> None:
+    def sent(self, mappings: Sequence[Mapping]) -> None:
         """A task in flight refers to ``mappings`` now (the shared ones by reference),
         until :meth:`done` for the same list."""
         with self._lock:
@@ -333,7 +338,7 @@ class Recycling:
                 if state is not None:
                     state.tasks += 1
 
-    def done(self, mappings: Any, released: frozenset[str]) -> None:
+    def done(self, mappings: Sequence[Mapping], released: frozenset[str]) -> None:
         """A task referring to ``mappings`` is done; ``released``: the segments of which
         its worker holds no view of that call."""
         free = []
@@ -430,7 +435,7 @@ def empty(
     shape : int or sequence of int
         Shape of the new array.
     dtype : data-type, default float
-        Any numpy dtype that holds no Python objects.
+        A numpy dtype that holds no Python objects.
     order : {'C', 'F'}, default 'C'
         Row-major or column-major layout.
 
@@ -454,7 +459,7 @@ def zeros(
     shape : int or sequence of int
         Shape of the new array.
     dtype : data-type, default float
-        Any numpy dtype that holds no Python objects.
+        A numpy dtype that holds no Python objects.
     order : {'C', 'F'}, default 'C'
         Row-major or column-major layout.
 
@@ -491,7 +496,7 @@ def ones(
 
 def full(
     shape: ShapeLike,
-    fill_value: Any,
+    fill_value: Any,  # numpy's
     dtype: npt.DTypeLike | None = None,
     order: Literal["C", "F"] = "C",
 ) -> SharedArray:
@@ -616,7 +621,7 @@ def ones_like(
 
 def full_like(
     prototype: npt.ArrayLike,
-    fill_value: Any,
+    fill_value: Any,  # numpy's
     dtype: npt.DTypeLike | None = None,
     order: Literal["C", "F", "A", "K"] = "K",
     shape: ShapeLike | None = None,
@@ -649,9 +654,9 @@ def full_like(
 class _Tensor(Protocol):
     """What sets a PyTorch tensor apart from an array, for :func:`share`'s signature."""
 
-    def untyped_storage(self) -> Any: ...
+    def untyped_storage(self) -> object: ...
 
-    def share_memory_(self) -> Any: ...
+    def share_memory_(self) -> object: ...
 
 
 TensorT = TypeVar("TensorT", bound=_Tensor)
@@ -665,7 +670,7 @@ def share(a: TensorT) -> TensorT: ...
 def share(a: npt.ArrayLike) -> SharedArray: ...
 
 
-def share(a: Any) -> Any:
+def share(a: object) -> object:
     """Shared memory holding ``a``: ``a`` itself if it is already shared, else a copy;
     a PyTorch tensor is moved into shared memory in place.
 

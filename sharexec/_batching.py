@@ -80,7 +80,7 @@ class Batching:
         self,
         transport: Transport,
         workers: int,
-        run: Callable[[Task], object],
+        run: Callable[..., object],
         run_batch: Callable[..., object],
     ) -> None:
         self._transport = transport

@@ -76,7 +76,7 @@ class Options:
 
     @classmethod
     def resolve(
-        cls, given: Mapping[str, Any], environ: Mapping[str, str] | None = None
+        cls, given: Mapping[str, object], environ: Mapping[str, str] | None = None
     ) -> Options:
         """Merge keyword options, environment variables and defaults, validating each."""
         environ = os.environ if environ is None else environ

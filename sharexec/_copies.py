@@ -18,6 +18,7 @@ import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from . import _tracking
 from ._reduction import _in_parallel, argument_owner
 from ._segments import Mapping
 from ._warm import SegmentPool
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["CopyCache", "Counts", "ResultLoans"]
 
@@ -117,13 +121,7 @@ class CopyCache:
         if remembered is None or (mapping := remembered.ref()) is None:
             return None
         owner = argument_owner(raw)
-        trusted = (
-            task is not None
-            and task < remembered.valid_below
-            and owner is not None
-            and remembered.owner() is owner
-        )
-        if not trusted:
+        if not taken_for(task, remembered.valid_below, owner, remembered.owner):
             compared = self._number()
             if not _same_bytes(low, mapping.address, raw.nbytes):
                 return None
@@ -189,6 +187,20 @@ class CopyCache:
                         free.append(mapping)
         for mapping in free:  # outside this cache's lock: the pool's is taken alone
             self._pool.put(mapping)
+
+
+def taken_for(
+    task: int | None, taken: int, owner: object, taken_from: Callable[[], object]
+) -> bool:
+    """The one rule, on both carriers, by which a copy of a task's buffer serves it as it
+    is, without comparing its bytes (local) or hashing them (cluster): the copy was taken
+    after the task's submit (``task < taken``: numbers of one clock) from the very array
+    the task was given as an argument (``owner``, see ``_reduction.argument_owner``;
+    ``taken_from`` a weak reference to the array the copy was taken from). The standard
+    library would pickle the task later still: any moment between its submit and its
+    dispatch is its own. A buffer made while pickling is never trusted (``owner`` None).
+    """
+    return task is not None and task < taken and owner is not None and taken_from() is owner
 
 
 def _weak(owner: object) -> Callable[[], object]:
@@ -263,7 +275,7 @@ class ResultLoans:
             if len(self._sizes) > _FUNCTIONS_REMEMBERED:
                 self._sizes.popitem(last=False)
 
-    def receive(self, name: str, size: int) -> Mapping | np.ndarray:
+    def receive(self, name: str, size: int) -> Buffer:
         """The buffer a result's segment is rebuilt over (``_wire.Receiver``).
 
         A lent segment is mapped here already; a fresh one is adopted; both go to the
@@ -278,7 +290,7 @@ class ResultLoans:
             mapping = _tracking.adopt(name, size)
         holder = np.frombuffer(mapping, np.uint8)
         weakref.finalize(holder, _put_back, weakref.ref(self._pool), mapping)
-        return holder
+        return cast("Buffer", holder)  # an array is a buffer (numpy's stubs say so from 3.12)
 
     def discard(self, name: str) -> None:
         """A segment of a result that failed to rebuild: unlinked, unless it is lent

@@ -50,18 +50,18 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from functools import partial
 from multiprocessing.context import BaseContext
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from . import _session
 from ._api import Statistics, map_calls
 from ._batching import Batching
 from ._config import Options
-from ._loky import LokyExecutor, LokyFuture, cpu_count, get_context, warm_context
+from ._loky import LokyExecutor, LokyFuture, PoolFuture, cpu_count, get_context, warm_context
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, Failure, dumps_sharing_globals
 from ._worker import run, run_batch, run_chunk, run_initializer
@@ -72,6 +72,8 @@ if TYPE_CHECKING:  # imported by get_executor only: asyncio and all, ~0.1 s
 __all__ = ["SharedProcessPoolExecutor", "Statistics", "get_executor"]
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+F = TypeVar("F", bound=PoolFuture)
 
 
 def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
@@ -147,10 +149,10 @@ class SharedProcessPoolExecutor(LokyExecutor):
         max_workers: int | None = None,
         mp_context: BaseContext | str | None = None,
         initializer: Callable[..., object] | None = None,
-        initargs: tuple[Any, ...] = (),
+        initargs: tuple[object, ...] = (),
         *,
         max_tasks_per_child: int | None = None,
-        **options: Any,
+        **options: object,
     ) -> None:
         self._options = Options.resolve(options)
         if max_tasks_per_child is not None:
@@ -229,11 +231,11 @@ class SharedProcessPoolExecutor(LokyExecutor):
 
     def _submit(
         self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        outcome: Callable[[Task], Any],
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+        fn: Callable[..., object],
+        args: tuple[object, ...],
+        outcome: Callable[[Task], F],
+        kwargs: dict[str, object] | None = None,
+    ) -> F:
         """Queue the call; its outcome goes to ``outcome(task)``: a future, or a slot."""
         if not self._sweeper_reached:
             # Before the first workers start: forked, they must know the sweeper's
@@ -363,14 +365,22 @@ class SharedProcessPoolExecutor(LokyExecutor):
         signum = signal.SIGKILL if kill else signal.SIGTERM
         for process in processes:
             try:
-                if process.is_alive():  # not exited (and reaped): its pid is still its own
-                    os.kill(process.pid, signum)  # loky's processes have no kill()
+                pid = process.pid
+                if pid is not None and process.is_alive():  # not reaped: its pid is its own
+                    os.kill(pid, signum)  # loky's processes have no kill()
             except (ValueError, ProcessLookupError):  # closed, or gone meanwhile
                 continue
 
 
+class _WorkItem(Protocol):
+    """loky's record of a call not done yet, in its table of pending calls."""
+
+    @property
+    def future(self) -> PoolFuture: ...
+
+
 def _close_transport(
-    transport: Transport, init_task: Task | None, pending: dict[int, Any]
+    transport: Transport, init_task: Task | None, pending: Mapping[int, _WorkItem]
 ) -> None:
     """An executor is shut down or collected: drop its pool of warm segments, and once
     the calls ``pending`` (loky's work items, by id) are done, the segments of its
@@ -391,7 +401,7 @@ def _close_transport(
         if init_task is not None:
             init_task.release()
 
-    def one_done(_: Future[Any]) -> None:
+    def one_done(_: object) -> None:
         with lock:
             left[0] -= 1
             last = left[0] == 0
@@ -419,18 +429,21 @@ class _MapRun:
 
     def __init__(self) -> None:
         self.condition = threading.Condition(threading.Lock())
-        self.waiting: _Slot | None = None
+        self.waiting: _Slot[object] | None = None
 
 
 def _submit_slot(
-    run: _MapRun, fn: Callable[..., Any], executor: SharedProcessPoolExecutor, args: Any
-) -> _Slot:
+    run: _MapRun,
+    fn: Callable[..., T],
+    executor: SharedProcessPoolExecutor,
+    args: tuple[object, ...],
+) -> _Slot[T]:
     """Queue ``fn(*args)`` for ``map``, its outcome to a slot of ``run``."""
-    slot: _Slot = executor._submit(fn, args, partial(_Slot, run=run))
+    slot: _Slot[T] = executor._submit(fn, args, partial(_Slot, run=run))
     return slot
 
 
-class _Slot:
+class _Slot(Generic[T_co]):
     """Where a call of ``map`` gets its outcome: what the pool needs of a future
     (``set_running_or_notify_cancel``, ``set_pending_again``, ``set_result``,
     ``set_exception``, ``cancel``, ``done``, ``add_done_callback``), and ``result`` for
@@ -449,9 +462,9 @@ class _Slot:
         self.task: Task | None = task
         self._run = run
         self._state = _PENDING
-        self._value: Any = None
+        self._value: object = None  # the call's result, once done
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Any], object]] | None = None
+        self._callbacks: list[Callable[[_Slot[T_co]], object]] | None = None
 
     def set_running_or_notify_cancel(self) -> bool:
         with self._run.condition:
@@ -466,7 +479,7 @@ class _Slot:
             if self._state == _RUNNING:
                 self._state = _PENDING
 
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: object) -> None:
         if type(result) is Failure:
             self.set_exception(result.error)
         elif type(result) is Delivered:
@@ -499,14 +512,14 @@ class _Slot:
     def cancelled(self) -> bool:
         return self._state == _CANCELLED
 
-    def add_done_callback(self, fn: Callable[[Any], object]) -> None:
+    def add_done_callback(self, fn: Callable[[_Slot[T_co]], object]) -> None:
         with self._run.condition:
             if self._state < _DONE:
                 self._callbacks = [*(self._callbacks or ()), fn]
                 return
         fn(self)
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> T_co:
         """The call's result (or its exception raised), waiting ``timeout`` seconds."""
         if self._state < _DONE:
             run = self._run
@@ -531,9 +544,9 @@ class _Slot:
             finally:
                 del error  # breaks the cycle of its traceback with this frame
         value, self._value = self._value, None  # held by the caller only
-        return value
+        return cast("T_co", value)  # what fn returned, unpickled
 
-    def _finish(self, value: Any, error: BaseException | None) -> None:
+    def _finish(self, value: object, error: BaseException | None) -> None:
         run = self._run
         with run.condition:
             if self._state >= _DONE:
@@ -569,7 +582,7 @@ class _Future(LokyFuture):
         super().__init__(lock)
         self.task: Task | None = task  # until released
 
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: object) -> None:
         if type(result) is Failure:
             self.set_exception(result.error)
         elif type(result) is Delivered:
@@ -591,7 +604,7 @@ class _Future(LokyFuture):
 
     def _release(self, delivered: Delivered | None) -> None:
         """Release the task's segments, once, before the future is seen done."""
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             task, self.task = self.task, None
         finally:
@@ -624,7 +637,7 @@ class _ProcessWideExecutor(SharedProcessPoolExecutor):
     loaded first, and is not a dependency). Variables the user set are left alone.
     """
 
-    def __init__(self, max_workers: int, **options: Any) -> None:
+    def __init__(self, max_workers: int, **options: Any) -> None:  # the constructor's
         threads = str(max(1, cpu_count() // max_workers))
         self._worker_env = {v: threads for v in _THREAD_VARIABLES if v not in os.environ}
         super().__init__(max_workers, mp_context="loky", **options)
@@ -635,7 +648,7 @@ _process_wide: _ProcessWideExecutor | None = None
 
 
 def get_executor(
-    max_workers: int | None = None, **options: Any
+    max_workers: int | None = None, **options: object
 ) -> SharedProcessPoolExecutor | ClusterExecutor:
     """The process-wide executor, for library code that wants to parallelize.
 

@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import types
+from collections import ChainMap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
@@ -75,6 +76,7 @@ __all__ = [
     "Reduced",
     "Sink",
     "argument_owner",
+    "buffer_owner",
     "dumps",
 ]
 
@@ -125,6 +127,10 @@ class _Pickler(Pickler):
     # functions and classes defined in __main__ stop pickling by value.
 
     def __init__(self, file: io.BytesIO, state: Pass) -> None:
+        if state.sink.dispatch_table is not None:
+            # A carrier's own table: a pickler's attribute, which the C pickler reads as
+            # it starts (pickle's documented per-pickler dispatch_table), over the class's.
+            self.dispatch_table = state.sink.dispatch_table  # type: ignore[misc]
         super().__init__(file, protocol=5, buffer_callback=state.take_buffer)
         self._state = state
         self._torch = state.torch
@@ -189,6 +195,11 @@ class Pass:
             return None
         low, high = byte_bounds(a)
         found = _tracking.find_shared(low, high)
+        if found is not None and not self.sink.carries_segments:
+            snapshot = self.sink.snapshot(a)
+            if snapshot is not None:
+                return snapshot
+            found = None  # the sink's own snapshot: its bytes travel as a private array's
         if found is not None:
             mapping = found[0]
             self.keep.append(mapping)
@@ -220,9 +231,13 @@ class Pass:
             return None
         if nbytes == 0:
             return tensors.empty_storage, ()
-        found = tensors.in_segment(storage)
+        # A carrier without segments: the bytes as a buffer, whatever memory they lie in
+        # (torch's reducer would pass a file descriptor or a shared-memory name).
+        found = tensors.in_segment(storage) if self.sink.carries_segments else None
         if found is None:
-            if storage.is_shared() or self.sink.options.tensor_sharing == "torch":
+            if self.sink.carries_segments and (
+                storage.is_shared() or self.sink.options.tensor_sharing == "torch"
+            ):
                 return None
             if not self.sink.moves_tensors:
                 span = np.asarray(_Span(storage, storage.data_ptr(), nbytes))
@@ -248,12 +263,17 @@ class Pass:
 
         Fresh shared pages cost far more than reading strided memory, so copying half
         the bytes beats a memcpy of the whole span. The copy keeps ``a``'s axis order.
+        A carrier without segments gets the copy in this process's memory, as a buffer.
         """
+        f_order = a.ndim > 1 and abs(a.strides[0]) < abs(a.strides[-1])
+        if not self.sink.carries_segments:
+            dense = np.array(a, order="F" if f_order else "C")
+            low, high = byte_bounds(dense)
+            return _describe(dense, dense, low, high)
         mapping = self.sink.segment_for(a.nbytes)
         if mapping is None:
             return None  # numpy pickles it
         self.sink.count("bytes_copied", a.nbytes)
-        f_order = a.ndim > 1 and abs(a.strides[0]) < abs(a.strides[-1])
         copy = np.ndarray(a.shape, a.dtype, buffer=mapping, order="F" if f_order else "C")
         np.copyto(copy, a)
         # Listed as copied, so take_buffer sends these bytes as they are.
@@ -271,6 +291,9 @@ class Pass:
         length = raw.nbytes
         if length < self.min_share_bytes:
             return True
+        if not self.sink.carries_segments:
+            self.sink.send(raw)
+            return False
         low = _address(raw)
         found = self.copied.find(low, low + length)
         if found is not None:
@@ -350,12 +373,21 @@ def argument_owner(raw: memoryview) -> object:
 
     Only then can a copy be trusted without comparing: a buffer made while pickling (a
     temporary, or one rewritten by some ``__reduce__``) may hold other bytes at the same
-    address for every task.
+    address for every task. Both carriers trust a copy by this rule (see
+    ``_copies.CopyCache.reusable`` and ``_cluster.sending.Sender.send``).
     """
     span = getattr(raw.obj, "base", None)
     if not isinstance(span, _Span) or not span.argument:
         return None
-    owner = span.owner
+    return buffer_owner(raw)
+
+
+def buffer_owner(raw: memoryview) -> object:
+    """The object whose memory ``raw`` lies in: the root of the bases of the array a span
+    of the pass was made over, or the object that exported ``raw`` (a buffer of pandas,
+    say)."""
+    span = getattr(raw.obj, "base", None)
+    owner = span.owner if isinstance(span, _Span) else raw.obj
     while isinstance(owner, np.ndarray) and owner.base is not None:
         owner = owner.base
     return owner
@@ -414,6 +446,15 @@ class Sink:
     # their module (a call, to a worker: _wire.share_globals), or each over globals of
     # its own, as cloudpickle rebuilds them (a result).
     shares_globals = False
+    # Whether the receiver shares this host's segments. False (the cluster executor,
+    # whose tasks may run on other hosts): nothing goes by reference, no buffer is
+    # copied into a segment; a view of a shared array goes as the sink's snapshot, and
+    # every large buffer (a gappy view's compact copy, a torch storage's bytes) is
+    # handed to the sink's :meth:`send`.
+    carries_segments = True
+    # The reducers by exact type, if not ``_wire.Pickler``'s (the cluster's leaves out
+    # those that pass a file descriptor or a shared-memory name: ``_cluster.packing``).
+    dispatch_table: ChainMap[Any, Any] | None = None
 
     def __init__(self, options: Options) -> None:
         self.options = options
@@ -469,6 +510,18 @@ class Sink:
     def fell_back(self, message: str) -> None:
         """Shared memory fell short: the buffer went to a file, or is pickled."""
         logger.info("%s", message)
+
+    def snapshot(self, a: np.ndarray) -> Reduced | None:
+        """How a view of a shared array travels without segments (``carries_segments``
+        False): a reduce tuple, or None for the sink's own snapshot (pickled as a private
+        array). Only such a sink is asked."""
+        raise NotImplementedError
+
+    def send(self, raw: memoryview) -> None:
+        """Take a large buffer out of band, without segments (``carries_segments`` False):
+        the sink sends it; the receiver gets it in the pass's order. Only such a sink is
+        asked."""
+        raise NotImplementedError
 
     def reduce_function(self, fn: types.FunctionType) -> Reduced | None:
         """How a function travels: a reduce tuple, or None to let cloudpickle pickle it."""

@@ -12,7 +12,7 @@ both, as through ``torch.multiprocessing``. What this module owns:
 
 * which tensors sharexec carries itself (:func:`plain`): exact ``torch.Tensor`` and
   ``torch.nn.Parameter`` on the CPU, strided, with no negative bit, and not a non-leaf
-  that requires grad. Any other (CUDA, sparse, quantized, nested, subclasses,
+  that requires grad. Every other (CUDA, sparse, quantized, nested, subclasses,
   storages of torch's own shared memory) goes to torch's reducer, registered with
   multiprocessing's ``ForkingPickler``, exactly as through the standard library;
 * a tensor is reduced to its untyped storage and its geometry (:func:`reduce_tensor`),
@@ -44,7 +44,6 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -72,7 +71,7 @@ __all__ = [
 TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 STORAGE = torch.UntypedStorage
 
-# Whether this torch can swap a storage's memory in place (a private method, which torch
+# Whether this torch can swap a storage's memory in place (an underscored method, which torch
 # 2.13 has): if not, private tensors go through torch's own reducer.
 CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
@@ -103,7 +102,9 @@ def plain(t: torch.Tensor) -> bool:
     )
 
 
-def reduce_tensor(t: torch.Tensor) -> Any:
+def reduce_tensor(
+    t: torch.Tensor,
+) -> tuple[Callable[..., torch.Tensor], tuple[object, ...]] | None:
     """``t`` as its untyped storage (which the pickler reduces next, once per pass) and
     its geometry; None if torch's reducer must take it (see :func:`plain`).
 
@@ -163,8 +164,8 @@ def rebuild_shared_storage(
     return view.untyped_storage()
 
 
-def rebuild_storage(buffer: Any) -> torch.UntypedStorage:
-    """A storage over a buffer of its own (a result's private copy), zero-copy."""
+def rebuild_storage(buffer: memoryview | bytes | bytearray) -> torch.UntypedStorage:
+    """A storage over a buffer of its own (a result's copy of its bytes), zero-copy."""
     return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 

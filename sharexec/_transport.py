@@ -56,7 +56,7 @@ from ._reduction import ForwardSink, Reduced, Sink, dumps
 from ._segments import Mapping
 from ._warm import SegmentPool, pool_limit, pooled_everywhere
 from ._wire import BufferRef, Delivered, is_plain, load_function
-from ._worker import load_batch, load_call
+from ._worker import CallContext, load_batch, load_call
 
 __all__ = ["FunctionKey", "PlainEntry", "Task", "Transport", "pooled_everywhere"]
 
@@ -252,7 +252,7 @@ class Transport:
         find this transport (see ``_worker.load_call``)."""
         sweeper = _session.sweeper_address()
         if self._context is None or sweeper != self._context_sweeper:
-            about = (self.options, sweeper, self.token)
+            about = CallContext(self.options, sweeper, self.token)
             self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)
             self._context_sweeper = sweeper
         return self._context

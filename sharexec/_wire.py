@@ -37,13 +37,18 @@ import types
 import weakref
 from collections import ChainMap, OrderedDict
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 import cloudpickle
 
 from . import _session, _tracking
 from ._loky import DISPATCH_TABLE, FORKING_REDUCERS, remote_traceback
 from .errors import ResultError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from ._segments import Mapping
 
 __all__ = [
     "BufferRef",
@@ -70,20 +75,30 @@ __all__ = [
 BufferRef = tuple[str, int, int, int]
 
 
+class Sliceable(Protocol):
+    """What holds a segment's bytes for :func:`loads`: a buffer that slices without
+    copying (a memoryview, a byte array of NumPy's)."""
+
+    def __getitem__(self, index: slice, /) -> object: ...
+
+
+Bytes = TypeVar("Bytes", bound=Sliceable)
+
+
 def loads(
     payload: bytes | memoryview,
     buffers: list[BufferRef],
-    attach: Callable[[str, int], Any],
-    mapped: dict[str, Any] | None = None,
-) -> Any:
+    attach: Callable[[str, int], Bytes],
+    mapped: dict[str, Bytes] | None = None,
+) -> object:
     """Unpickle ``payload`` over its out-of-band buffers; ``mapped`` gets what holds each
     segment's bytes, by name.
 
-    ``attach(name, size)`` gives what holds a segment's bytes: a buffer that slices
-    without copying (a memoryview, an array). Each segment is attached once.
+    ``attach(name, size)`` gives what holds a segment's bytes. Each segment is attached
+    once.
     """
-    mappings: dict[str, Any] = {} if mapped is None else mapped
-    views = []
+    mappings: dict[str, Bytes] = {} if mapped is None else mapped
+    views: list[object] = []
     for name, size, offset, length in buffers:
         mapping = mappings.get(name)
         if mapping is None:
@@ -92,7 +107,7 @@ def loads(
     return pickle.loads(payload, buffers=views)
 
 
-def _reduce_code(code: types.CodeType) -> Any:
+def _reduce_code(code: types.CodeType) -> tuple[Callable[..., types.CodeType], tuple[object, ...]]:
     """cloudpickle's reduction of a code object, keeping the file it came from.
 
     cloudpickle 3 names every code object it sends by value ``"<dynamic-code>"`` (so that
@@ -104,7 +119,9 @@ def _reduce_code(code: types.CodeType) -> Any:
     return _code_from, (rebuild, args, code.co_filename)
 
 
-def _code_from(rebuild: Callable[..., types.CodeType], args: Any, filename: str) -> types.CodeType:
+def _code_from(
+    rebuild: Callable[..., types.CodeType], args: tuple[object, ...], filename: str
+) -> types.CodeType:
     """The code object cloudpickle rebuilds, in ``filename`` again."""
     return rebuild(*args).replace(co_filename=filename)
 
@@ -140,14 +157,14 @@ class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     ``cloudpickle.register_pickle_by_value`` still go by value.
     """
 
-    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+    dispatch_table: ClassVar[ChainMap[type, Callable[..., object]]] = ChainMap(
         {types.CodeType: _reduce_code},
         DISPATCH_TABLE,
         FORKING_REDUCERS,
         cloudpickle.Pickler.dispatch_table,
     )
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> object:
         if isinstance(obj, _BY_NAME) and getattr(obj, "__module__", None) not in sys.modules:
             _import_home(obj)
         return _cloudpickle_override(self, obj)  # super()'s, without making a super object
@@ -166,7 +183,7 @@ _BY_NAME = (type, types.FunctionType)
 _unimportable: set[str] = set()
 
 
-def _import_home(obj: Any) -> None:
+def _import_home(obj: object) -> None:
     """Import the module ``obj`` names as its own (``__module__``), as the standard
     pickler would to pickle it by name; nothing if that fails (it goes by value)."""
     module = getattr(obj, "__module__", None)
@@ -189,12 +206,11 @@ _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PLAIN_ITEMS = 16  # a longer tuple or list takes the general road: no scan of its items
 
 
-def is_plain(value: Any) -> bool:
+def is_plain(value: object) -> bool:
     """Whether ``value`` is an atom, or a short tuple or list of atoms: it holds no buffer."""
-    kind = type(value)
-    if kind in _ATOMS:
+    if type(value) in _ATOMS:
         return True
-    if (kind is tuple or kind is list) and len(value) <= _PLAIN_ITEMS:
+    if (type(value) is tuple or type(value) is list) and len(value) <= _PLAIN_ITEMS:
         return all(type(item) in _ATOMS for item in value)
     return False
 
@@ -202,11 +218,11 @@ def is_plain(value: Any) -> bool:
 # In a worker: functions already unpickled, by their pickle or by the segment it lies in
 # (most recent last), e.g. {b"\x80\x05...": <function square>, "sharexec-41-Zm9v": <function
 # fitness>}. A segment's name is never given to another while the parent holds it.
-_functions: OrderedDict[bytes | str, Any] = OrderedDict()
+_functions: OrderedDict[bytes | str, Callable[..., object]] = OrderedDict()
 _FUNCTIONS_KEPT = 256
 
 
-def load_function(payload: bytes | tuple[BufferRef, ...]) -> Any:
+def load_function(payload: bytes | tuple[BufferRef, ...]) -> Callable[..., object]:
     """Unpickle a function sent by its cached pickle, once per worker (in its module's
     namespace there, if it was sent by value: see :func:`share_globals`).
 
@@ -221,9 +237,12 @@ def load_function(payload: bytes | tuple[BufferRef, ...]) -> Any:
             fn = pickle.loads(payload)
         else:
             (name, size, offset, length), *buffers = payload
-            mapped: dict[str, Any] = {}
+            mapped: dict[str, memoryview] = {}
             pickled = mapped[name] = _attach_copy(name, size)
-            fn = loads(pickled[offset : offset + length], buffers, _attach_copy, mapped)
+            fn = cast(
+                "Callable[..., object]",
+                loads(pickled[offset : offset + length], buffers, _attach_copy, mapped),
+            )
         _functions[key] = fn
         if len(_functions) > _FUNCTIONS_KEPT:
             _functions.popitem(last=False)
@@ -256,7 +275,7 @@ def _attach_copy(name: str, size: int) -> memoryview:
 
 # In a worker: the namespace of each module whose functions arrived by value, by the
 # module's name, e.g. {"__main__": {"__name__": "__main__", "CACHE": {"x": 42}, ...}}.
-_namespaces: dict[str, dict[str, Any]] = {}
+_namespaces: dict[str, dict[str, object]] = {}
 
 
 class _Namespace:
@@ -265,15 +284,19 @@ class _Namespace:
 
     __slots__ = ("base", "module")
 
-    def __init__(self, module: str, base: dict[str, Any]) -> None:
+    def __init__(self, module: str, base: dict[str, object]) -> None:
         self.module = module
         self.base = base  # what cloudpickle gives a new namespace: __name__, __file__...
 
-    def __reduce__(self) -> Any:
+    def __reduce__(
+        self,
+    ) -> tuple[
+        Callable[[str, dict[str, object]], dict[str, object]], tuple[str, dict[str, object]]
+    ]:
         return namespace, (self.module, self.base)
 
 
-def namespace(module: str, base: dict[str, Any]) -> dict[str, Any]:
+def namespace(module: str, base: dict[str, object]) -> dict[str, object]:
     """This process's namespace of ``module`` for its functions sent by value: made from
     ``base`` (the module's ``__name__``, ``__file__``…) when the first one arrives."""
     found = _namespaces.get(module)
@@ -282,7 +305,15 @@ def namespace(module: str, base: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def set_function_state(fn: types.FunctionType, state: tuple[Any, Any]) -> None:
+# cloudpickle's state of a function: its attributes, and its slots (``__globals__``,
+# ``__defaults__``...), each of its own type.
+_FunctionState = tuple[dict[str, object], dict[str, Any]]
+
+
+def set_function_state(
+    fn: types.FunctionType,
+    state: tuple[Callable[[types.FunctionType, _FunctionState], None], _FunctionState],
+) -> None:
     """Set the state of a function rebuilt in its module's namespace: by cloudpickle's own
     setter (``state`` is that setter and its state), except that the globals the pickle
     carries are only added where the namespace lacks them."""
@@ -293,7 +324,7 @@ def set_function_state(fn: types.FunctionType, state: tuple[Any, Any]) -> None:
     setter(fn, (attributes, slots))
 
 
-def share_globals(fn: types.FunctionType, reduced: Any) -> Any:
+def share_globals(fn: types.FunctionType, reduced: object) -> object:
     """cloudpickle's reduction of ``fn`` (by value, or ``NotImplemented`` by name), made to
     rebuild ``fn`` over the receiver's one namespace of its module.
 
@@ -318,14 +349,14 @@ def share_globals(fn: types.FunctionType, reduced: Any) -> Any:
 class _SharingPickler(Pickler):
     """A pickler whose functions sent by value rebuild in their module's namespace."""
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> object:
         reduced = super().reducer_override(obj)
         if type(obj) is types.FunctionType:
             return share_globals(obj, reduced)
         return reduced
 
 
-def dumps_sharing_globals(obj: Any) -> bytes:
+def dumps_sharing_globals(obj: object) -> bytes:
     """Pickle ``obj`` so that its functions sent by value are rebuilt in their module's
     namespace (buffers in band): a forked worker's initializer (``_executor``)."""
     return _dumps_in_band(obj, _SharingPickler)
@@ -339,23 +370,25 @@ def dumps_sharing_globals(obj: Any) -> bytes:
 class Reply:
     """A result on its way back: a small payload and the segments handed to the parent."""
 
+    __slots__ = ("buffers", "keep", "lost", "payload", "released", "token")
+
     def __init__(
         self,
         payload: bytes,
         buffers: list[BufferRef],
         released: list[str],
         token: int,
-        keep: list[Any] | None = None,
+        keep: list[Mapping] | None = None,
         lost: bool = False,
     ) -> None:
         self.payload = payload
         self.buffers = buffers
-        self.released = released  # the argument copies the worker no longer maps
+        self.released = released  # the call's segments it released (see Delivered)
         self.token = token  # the receiver of the executor that sent the call
         self.keep = keep  # the mappings the payload refers to, held until it is sent
         self.lost = lost  # the worker could not reach the sweeper: the root checks it
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> tuple[Callable[..., Delivered | Failure], tuple[object, ...]]:
         args = (self.payload, self.buffers, self.released, self.token)
         return load_result, (*args, True) if self.lost else args
 
@@ -363,7 +396,7 @@ class Reply:
 class Receiver(Protocol):
     """What the parent does with the segments of a result (see :func:`register`)."""
 
-    def receive(self, name: str, size: int) -> Any:
+    def receive(self, name: str, size: int) -> Buffer:
         """The buffer the result is rebuilt over, from the segment ``name`` (now ours)."""
 
     def discard(self, name: str) -> None:
@@ -373,7 +406,7 @@ class Receiver(Protocol):
 class _Unclaimed:
     """The receiver of results whose executor is gone: mapped, then unlinked at once."""
 
-    def receive(self, name: str, size: int) -> Any:
+    def receive(self, name: str, size: int) -> Buffer:
         return _tracking.adopt_private(name, size)
 
     def discard(self, name: str) -> None:
@@ -396,7 +429,7 @@ def load_result(
     released: list[str],
     token: int,
     lost: bool = False,
-) -> Any:
+) -> Delivered | Failure:
     """Rebuild a result in the parent over its segments, which become the parent's.
 
     Each segment goes to the receiver registered for ``token``. ``lost``: the worker
@@ -413,7 +446,7 @@ def load_result(
     receiver = _receivers.get(token, _unclaimed)
     received: list[str] = []
 
-    def receive(name: str, size: int) -> Any:
+    def receive(name: str, size: int) -> memoryview:
         buffer = receiver.receive(name, size)
         received.append(name)
         return memoryview(buffer)
@@ -439,7 +472,9 @@ class Delivered:
     worker let go of, and the sizes of the large buffers it came in (what to lend the
     function's next tasks)."""
 
-    def __init__(self, value: Any, released: list[str], sizes: list[int]) -> None:
+    __slots__ = ("released", "sizes", "value")
+
+    def __init__(self, value: object, released: list[str], sizes: list[int]) -> None:
         self.value = value
         self.released = frozenset(released)
         self.sizes = sizes
@@ -448,6 +483,8 @@ class Delivered:
 class Failure:
     """An outcome whose future raises ``error`` instead of returning: the task's
     exception (:func:`load_raised`), or the reason its result could not be rebuilt."""
+
+    __slots__ = ("error",)
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
@@ -495,7 +532,7 @@ class Raised:
             )
             self.payload = pickle.dumps(stand_in, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> tuple[Callable[[bytes, str, str], Failure], tuple[bytes, str, str]]:
         return load_raised, (self.payload, self.kind, self.traceback)
 
 
@@ -529,7 +566,7 @@ def _type_name(kind: type) -> str:
     return name if module in (None, "builtins", "__main__") else f"{module}.{name}"
 
 
-def _dumps_in_band(obj: Any, pickler_class: type[Pickler] | None = None) -> bytes:
+def _dumps_in_band(obj: object, pickler_class: type[Pickler] | None = None) -> bytes:
     """``obj`` pickled by ``pickler_class`` (:class:`Pickler` by default), every buffer
     in band."""
     out = io.BytesIO()

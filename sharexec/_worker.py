@@ -11,7 +11,7 @@
 * A batch (several queued calls in one message, see :mod:`sharexec._batching`): it
   rebuilds as :func:`load_batch`, and :func:`run_batch` runs its calls in order, each
   with its own outcome and run time; a thread of the worker (:class:`_Streamer`) hands
-  back the calls not started once the batch has held them too long.
+  back the calls not started once the batch has kept them too long.
 * ``map(chunksize=n)``: :func:`run_chunk` runs a chunk's calls in order.
 * Mappings kept between tasks: :class:`KeptMappings` (one per process, :data:`kept`),
   also used by the cluster executor's Dask workers.
@@ -34,9 +34,12 @@ import select
 import sys
 import threading
 import time
+import typing
 import weakref
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, cast
 
 from . import _loky, _segments, _session, _tracking
 from ._config import KEPT_MAPPINGS, WARM_BYTES, WARM_IDLE_SECONDS, Options
@@ -44,8 +47,18 @@ from ._segments import Mapping
 from ._wire import BufferRef, Pickler, Raised, Reply, is_plain, loads
 from .errors import SegmentError
 
+if TYPE_CHECKING:
+    import numpy as np
+
+T = TypeVar("T")
+
 __all__ = [
+    "Call",
+    "CallContext",
     "KeptMappings",
+    "LoadedBatch",
+    "LoadedCall",
+    "PlainCall",
     "kept",
     "load_batch",
     "load_call",
@@ -56,9 +69,79 @@ __all__ = [
 ]
 
 
+# ---------------------------------------------------------------------------------------
+# What a call is made of, in the worker
+# ---------------------------------------------------------------------------------------
+
+# A call as the parent pickles it, by the pass or by the standard pickler (the function,
+# its arguments, its keywords), e.g. (<function square>, (3,), {}).
+Call = tuple[Callable[..., object], tuple[object, ...], dict[str, object]]
+
+# A call of plain arguments in a batch (``Transport.reduce_batch``): its function's index
+# in the batch's functions, its arguments, its keywords or None, e.g. (0, (3,), None). A
+# plain tuple on the wire, not a named one: a list of NamedTuples pickles 8 to 15 times
+# slower (1 to 64 entries), where a batch's calls take a few µs each.
+PlainCall = tuple[int, tuple[object, ...], dict[str, object] | None]
+
+# A call's holders of the segments it maps (see KeptMappings), by segment name, held
+# weakly: once a holder is collected, no view of the call lies on that segment any more.
+Holders = list[tuple[str, "weakref.ref[np.ndarray]"]]
+
+
+class CallContext(NamedTuple):
+    """What an executor tells each of its calls, pickled once (``Transport.context``)."""
+
+    options: Options
+    sweeper: tuple[bytes, int]  # the session's sweeper: its address, its generation
+    token: int  # by which the call's result finds the executor (``_wire.register``)
+
+
+@dataclass(slots=True)
+class LoadedCall:
+    """A call rebuilt in the worker (:func:`load_call`), until :func:`run` has run it.
+
+    loky's call item holds it while the call runs: :meth:`take` drops the function and
+    its arguments from it, so that their copy-on-write pages go as early as possible.
+    """
+
+    call: Call | None
+    context: CallContext
+    copies: Holders  # the holders of its argument copies
+    lent: list[tuple[str, int]]  # the warm segments the parent lent for the result
+    shared: Holders  # the holders of its shared arrays' segments
+
+    def take(self) -> Call:
+        """The function, its arguments and keywords, given once."""
+        call, self.call = self.call, None
+        assert call is not None
+        return call
+
+
+@dataclass(slots=True)
+class LoadedBatch:
+    """A batch rebuilt in the worker (:func:`load_batch`): its calls, each a
+    :data:`PlainCall` or a :class:`LoadedCall`, in the order of their work ids."""
+
+    ids: list[int]
+    context: CallContext
+    functions: list[Callable[..., object]] | BaseException  # what PlainCall indexes
+    entries: list[PlainCall | LoadedCall | _Unloadable | None]  # None: ran
+
+
+class _InitTask(Protocol):
+    """The initializer's ``_transport.Task``, as a forked worker inherits it."""
+
+    @property
+    def fn(self) -> Callable[..., object] | None: ...
+    @property
+    def args(self) -> tuple[object, ...] | None: ...
+    @property
+    def kwargs(self) -> dict[str, object] | None: ...
+
+
 def run_initializer(
     parent_pid: int,
-    call: Any,
+    call: _InitTask | LoadedCall | _Unloadable | None,
     sweeper: _session.SweeperAddress,
     forked: list[bytes],
 ) -> None:
@@ -66,7 +149,8 @@ def run_initializer(
     sweeper's to sweep; then the user's initializer, if any.
 
     ``call`` is None, the initializer's ``_transport.Task`` itself (fork: inherited, not
-    pickled), or what that task's reduction rebuilt: ``[(fn, args, kwargs), options, ...]``.
+    pickled), or what that task's reduction rebuilt: a :class:`LoadedCall`, or an
+    :class:`_Unloadable` whose error is raised here (loky's worker logs it).
     ``forked``: under fork, the initializer's function as the parent pickled it before the
     first worker forked, if it could (``_wire.dumps_sharing_globals``). Inherited as it
     is, it would run in the worker's copy of its module, and the calls' functions in
@@ -77,12 +161,15 @@ def run_initializer(
     _loky.count_private_memory_only()
     if call is None:
         return
-    if isinstance(call, list):
-        (fn, args, kwargs), *_ = call
+    if isinstance(call, _Unloadable):
+        _raise_unloadable(call)
+    if isinstance(call, LoadedCall):
+        fn, args, kwargs = call.take()
     else:
-        fn, args, kwargs = call.fn, call.args, call.kwargs or {}
-        if forked:
-            fn = pickle.loads(forked[0])
+        inherited, args_or_none, kwargs = call.fn, call.args, call.kwargs or {}
+        assert inherited is not None and args_or_none is not None
+        fn = pickle.loads(forked[0]) if forked else inherited
+        args = args_or_none
     fn(*args, **kwargs)
 
 
@@ -96,22 +183,22 @@ def load_call(
     buffers: list[BufferRef],
     lent: list[tuple[str, int]],
     context: bytes,
-) -> Any:
+) -> LoadedCall | _Unloadable:
     """Rebuild a call in the worker: copies mapped copy-on-write, shared arrays shared.
 
     ``lent``: the warm segments the parent lent for the result, (name, size);
-    ``context``: what the executor tells each call, pickled once (see :func:`_context`).
+    ``context``: what the executor tells each call, pickled once (a :class:`CallContext`).
     """
-    options, (sweeper, generation), token = _context(context)
+    about = _context(context)
     # Segments this worker creates are the root's sweeper's to sweep: a new one if the
     # root started one again.
-    _session.join_sweeper(sweeper, generation)
-    holders: dict[str, Any] = {}
-    shared_holders: dict[str, Any] = {}  # the holders of this call's shared views
+    _session.join_sweeper(*about.sweeper)
+    holders: dict[str, np.ndarray] = {}
+    shared_holders: dict[str, np.ndarray] = {}  # the holders of this call's shared views
     kept.drop_unlinked()
     try:
         with _tracking.attached_shared(shared_holders) as shared:
-            call = loads(payload, buffers, kept.hold_copy, holders)
+            call = cast(Call, loads(payload, buffers, kept.hold_copy, holders))
     except Exception as exc:
         # This runs while loky unpickles the call item, where an exception breaks the
         # whole pool (as the standard library's does: its worker dies). The call item
@@ -120,16 +207,15 @@ def load_call(
         return _Unloadable(exc)
     if shared:
         kept.keep_shared(shared)
-    # A list, so that run() can empty it: loky's call item holds it during the call.
     # Its shared arrays are reported released too, once no view of this call holds
     # them: the parent may then serve their segments again (_arrays.Recycling).
-    return [
+    return LoadedCall(
         call,
-        options,
+        about,
         [(n, weakref.ref(h)) for n, h in holders.items()],
-        (token, lent),
+        lent,
         [(n, weakref.ref(h)) for n, h in shared_holders.items()],
-    ]
+    )
 
 
 class _Unloadable:
@@ -137,18 +223,26 @@ class _Unloadable:
     ``__array_finalize__`` raises, a class missing in the worker): :func:`run` raises
     ``error``."""
 
+    __slots__ = ("error",)
+
     def __init__(self, error: Exception) -> None:
         self.error: Exception | None = error
 
 
+def _raise_unloadable(call: _Unloadable) -> typing.NoReturn:
+    """Raise the error of a call that failed to rebuild, once."""
+    error, call.error = call.error, None  # loky's call item holds the call meanwhile
+    assert error is not None
+    raise error  # with its traceback from load_call
+
+
 # The contexts of the calls this worker received, by their pickle (one per executor, and
 # per sweeper it started).
-_contexts: dict[bytes, tuple[Options, tuple[bytes, int], int]] = {}
+_contexts: dict[bytes, CallContext] = {}
 
 
-def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
-    """The executor's options, its sweeper's address and generation, and its results'
-    token."""
+def _context(blob: bytes) -> CallContext:
+    """An executor's context, from its pickle."""
     found = _contexts.get(blob)
     if found is None:
         if len(_contexts) >= 8:
@@ -157,7 +251,7 @@ def _context(blob: bytes) -> tuple[Options, tuple[bytes, int], int]:
     return found
 
 
-def run(call: Any) -> Any:
+def run(call: LoadedCall | _Unloadable) -> object:
     """Run a call in the worker and pack its result for the way back (:func:`_pack`).
 
     Whatever the call raises, here or while its result is packed, is sent back as its
@@ -173,30 +267,27 @@ def run(call: Any) -> Any:
         return Raised(exc)
 
 
-def _run(call: Any) -> Any:
+def _run(call: LoadedCall | _Unloadable) -> object:
     if type(call) is _Unloadable:
-        error, call.error = call.error, None  # loky's call item holds the call meanwhile
-        assert error is not None
-        raise error  # with its traceback from load_call
-    (fn, args, kwargs), options, mapped, (token, lent), shared = call
-    call.clear()
+        _raise_unloadable(call)
+    assert type(call) is LoadedCall
+    fn, args, kwargs = call.take()
     start = time.perf_counter()
     try:
         result = fn(*args, **kwargs)
     finally:
         _loky.note_run_seconds(time.perf_counter() - start)
     del fn, args, kwargs  # copy-on-write pages of the arguments go as early as possible
-    return _pack(result, options, mapped, token, lent, shared)
+    return _pack(result, call.context, call.copies, call.lent, call.shared)
 
 
 def _pack(
-    result: Any,
-    options: Options,
-    mapped: list[tuple[str, weakref.ref[Any]]],
-    token: int,
+    result: object,
+    context: CallContext,
+    mapped: Holders,
     lent: list[tuple[str, int]],
-    shared: list[tuple[str, weakref.ref[Any]]],
-) -> Any:
+    shared: Holders,
+) -> object:
     """A call's result, for the way back; the cheapest road that is still exact:
 
     * a plain value (``None``, a number, a string, bytes; or a short tuple or list of
@@ -215,6 +306,7 @@ def _pack(
         kept.after_task(released)
     if shared:
         released += [name for name, ref in shared if ref() is None]
+    options, _, token = context
     lost = _session.sweeper_lost()  # the root restarts the sweeper if it is gone
     if is_plain(result):
         if not mapped and not shared and not lost:  # nothing to tell but the value
@@ -236,53 +328,52 @@ def _pack(
 # ---------------------------------------------------------------------------------------
 
 
-def load_batch(ids: list[int], context: bytes, functions: bytes, entries: list[Any]) -> Any:
+def load_batch(
+    ids: list[int],
+    context: bytes,
+    functions: bytes,
+    entries: list[PlainCall | LoadedCall | _Unloadable | None],
+) -> LoadedBatch:
     """Rebuild a batch of calls in the worker (``Transport.reduce_batch``): ``entries``
-    are ``(function index, args, kwargs)`` for calls of plain arguments, whose functions
-    are pickled once in ``functions``, and what :func:`load_call` rebuilt for the others.
+    are a :data:`PlainCall` for each call of plain arguments, whose functions are pickled
+    once in ``functions``, and what :func:`load_call` rebuilt for the others.
     """
-    options, (sweeper, generation), token = _context(context)
-    _session.join_sweeper(sweeper, generation)
+    about = _context(context)
+    _session.join_sweeper(*about.sweeper)
+    loaded: list[Callable[..., object]] | BaseException
     try:
-        loaded: Any = pickle.loads(functions)
+        loaded = pickle.loads(functions)
     except Exception as exc:  # each call of these functions fails with it, alone
         loaded = exc
-    return [ids, options, token, loaded, entries]
+    return LoadedBatch(ids, about, loaded, entries)
 
 
-def run_batch(batch: Any) -> _loky.BatchOutcome:
+def run_batch(batch: LoadedBatch) -> _loky.BatchOutcome:
     """Run a batch's calls in order, each with its own outcome and run time: a call that
     raises fails alone, and the next one runs.
 
-    A batch holds its calls for :attr:`_Streamer.HOLD_SECONDS` at most: past that, the
+    A batch keeps its calls for :attr:`_Streamer.HAND_BACK_SECONDS` at most: past that, the
     calls not started yet are handed back to the parent, which queues them again, and
     the outcomes ended so far are sent with them (:class:`_Streamer`). What this returns
     is the rest.
     """
-    ids, options, token, functions, entries = batch
-    batch.clear()
+    ids, entries = batch.ids, batch.entries
     running = _streamer.start(ids, entries)
     try:
-        _run_batch(ids, options, token, functions, entries, running, time.perf_counter)
+        _run_batch(batch, running, time.perf_counter)
     finally:
         rest = _streamer.stop()
     return rest
 
 
-def _run_batch(
-    ids: list[int],
-    options: Options,
-    token: int,
-    functions: Any,
-    entries: list[Any],
-    running: _Running,
-    clock: Any,
-) -> None:
-    for at, work_id in enumerate(ids):
+def _run_batch(batch: LoadedBatch, running: _Running, clock: Callable[[], float]) -> None:
+    entries, functions = batch.entries, batch.functions
+    for at, work_id in enumerate(batch.ids):
         entry, entries[at] = entries[at], None  # dropped as soon as it ran
         start = clock()
         try:
-            if type(entry) is not tuple:
+            if not isinstance(entry, tuple):  # a call that went alone (see load_call)
+                assert entry is not None
                 value = run(entry)
             else:
                 index, args, kwargs = entry
@@ -291,7 +382,7 @@ def _run_batch(
                     raise functions.with_traceback(functions.__traceback__)
                 result = functions[index](*args, **(kwargs or {}))
                 del args, kwargs
-                value = _pack(result, options, [], token, [], [])
+                value = _pack(result, batch.context, [], [], [])
                 del result
         except BaseException as exc:  # sent back as its result, as run() sends it
             value = Raised(exc)
@@ -305,7 +396,12 @@ class _Running:
     """The running batch, shared with the streamer's thread: its outcomes not sent yet,
     and where it ends (the calls from ``end`` on were handed back)."""
 
-    def __init__(self, lock: threading.Lock, ids: list[int], entries: list[Any]) -> None:
+    def __init__(
+        self,
+        lock: threading.Lock,
+        ids: list[int],
+        entries: list[PlainCall | LoadedCall | _Unloadable | None],
+    ) -> None:
         self.lock = lock
         self.ids = ids
         self.entries = entries
@@ -313,9 +409,9 @@ class _Running:
         self.ran = 0  # calls ended
         self.end = len(ids)  # calls it may start: those before this index
         self.started = time.monotonic()
-        self.held = False  # whether it held its calls past the bound: nothing more to do
+        self.handed_back = False  # whether it handed its calls back: nothing more to do
 
-    def add(self, work_id: int, value: Any, seconds: float) -> int:
+    def add(self, work_id: int, value: object, seconds: float) -> int:
         """A call ended with ``value``; returns ``end``."""
         with self.lock:
             self.unsent.add(work_id, value, seconds)
@@ -326,7 +422,7 @@ class _Running:
         """Stop after the call running now: the outcomes not sent yet, with the ids of
         the calls not started (``returned``), which will not run here."""
         with self.lock:
-            self.held = True
+            self.handed_back = True
             self.end = end = min(self.end, self.ran + 1)
             taken, self.unsent = self.unsent, _loky.BatchOutcome()
             if end < len(self.ids):
@@ -347,17 +443,17 @@ class _Running:
 
 
 class _Streamer:
-    """Hands a batch's calls back when the batch holds them too long.
+    """Hands a batch's calls back when the batch keeps them too long.
 
     A batch is sized to end within a few ms, and its outcomes then go back together, as
-    the batch's result. If it runs longer than ``HOLD_SECONDS`` (a call runs long, or
+    the batch's result. If it runs longer than ``HAND_BACK_SECONDS`` (a call runs long, or
     waits for a call after it), a thread of this worker (a daemon, started with the
     first batch) cuts the batch short: the calls not started yet are handed back to the
     parent, which queues them again for any worker, and the outcomes ended so far go
     with them. The call running now ends the batch; its outcome is the batch's result.
     """
 
-    HOLD_SECONDS = 0.005
+    HAND_BACK_SECONDS = 0.005
 
     def __init__(self) -> None:
         self.reset()
@@ -369,7 +465,9 @@ class _Streamer:
         self._running: _Running | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, ids: list[int], entries: list[Any]) -> _Running:
+    def start(
+        self, ids: list[int], entries: list[PlainCall | LoadedCall | _Unloadable | None]
+    ) -> _Running:
         running = _Running(self._lock, ids, entries)
         with self._wake:
             self._running = running
@@ -391,10 +489,10 @@ class _Streamer:
         while True:
             with self._wake:
                 running = self._running
-                if running is None or running.held:
+                if running is None or running.handed_back:
                     self._wake.wait()  # until the next batch starts
                     continue
-                wait = running.started + self.HOLD_SECONDS - time.monotonic()
+                wait = running.started + self.HAND_BACK_SECONDS - time.monotonic()
                 if wait > 0:
                     self._wake.wait(wait)
                     continue
@@ -412,12 +510,12 @@ _streamer = _Streamer()
 os.register_at_fork(after_in_child=_streamer.reset)
 
 
-def run_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:
+def run_chunk(fn: Callable[..., T], chunk: list[tuple[object, ...]]) -> list[T]:
     """Run ``fn`` over a chunk of ``map``'s calls, in order (``map(chunksize=...)``)."""
     return [fn(*args) for args in chunk]
 
 
-def _dumps_in_band(result: Any, options: Options) -> bytes | None:
+def _dumps_in_band(result: object, options: Options) -> bytes | None:
     """Pickle ``result`` as the backward pass would, in a worker that has no NumPy.
 
     Without NumPy there is no array to share: every out-of-band buffer stays in band,
@@ -455,7 +553,7 @@ class _Kept:
 
     def __init__(self, mapping: Mapping) -> None:
         self.mapping = mapping
-        self.holders: list[weakref.ref[Any]] = []
+        self.holders: list[weakref.ref[np.ndarray]] = []
         self.clean = False
 
 
@@ -467,7 +565,7 @@ class KeptMappings:
     22 ms through a fresh mapping, 15 ms through a kept one; a fresh shared mapping of
     128 MiB costs a task 7 ms of faults. Three kinds are kept:
 
-    * private (copy-on-write) mappings of the argument copies the tasks received
+    * copy-on-write mappings of the argument copies the tasks received
       (:meth:`hold_copy`). Each task gets its own *holder* of a copy's bytes (an array
       over the mapping): the task's arrays are views of it, and the copy is *released*
       (the parent may pool it, and rewrite it with other bytes) when the holder dies,
@@ -484,7 +582,7 @@ class KeptMappings:
       (:meth:`attach_lent`), written only when lent again.
 
     Bounded: at most ``max_bytes`` and ``max_mappings``, least recently used dropped
-    first; a mapping written into is dropped once its task is done (its private pages
+    first; a mapping written into is dropped once its task is done (the pages it wrote
     are memory of this worker's own); a segment the parent unlinked is dropped at the
     next call (its memory lives as long as a mapping does), or as soon as it is removed
     between tasks; everything is dropped after ``idle_seconds`` without a task. The
@@ -549,7 +647,7 @@ class KeptMappings:
 
     # -- what tasks call -----------------------------------------------------------------
 
-    def hold_copy(self, name: str, size: int, watch: bool = False) -> Any:
+    def hold_copy(self, name: str, size: int, watch: bool = False) -> np.ndarray:
         """A new holder of the bytes of the copy segment ``name`` for one task: a byte
         array over a kept mapping of it if one may be reused, else over a fresh one, kept.
 
@@ -593,7 +691,7 @@ class KeptMappings:
         fresh one (every page mapped up front, 2 ms per 64 MiB), kept.
 
         Kept, it is written only when lent again: the parent lends a segment to one task
-        at a time, and holds it as a private result in between.
+        at a time, and it stays the parent's in between (pooled, or a result's).
         """
         with self._lock:
             entry = self._kept.pop(name, None)
@@ -653,7 +751,7 @@ class KeptMappings:
         if entry is None:
             return None
         if not entry.mapping.private or len(entry.mapping) != size:
-            return None  # kept shared (lent before, say): a copy needs its own private mapping
+            return None  # kept shared (lent before, say): a copy needs a copy-on-write mapping
         if any(ref() is not None for ref in entry.holders):
             return None  # a view of an earlier task lives on it: this task maps its own
         if not entry.clean and _segments.written(entry.mapping):

@@ -35,6 +35,17 @@ def record_start(folder: str) -> None:
         pass
 
 
+def refuse() -> None:
+    raise ValueError("this argument cannot be rebuilt in a worker")
+
+
+class Unrebuildable:
+    """An argument whose rebuild in a worker raises (a class the worker lacks, say)."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return refuse, ()
+
+
 def die() -> None:
     os._exit(3)
 

@@ -17,12 +17,15 @@ import os
 import pickle
 import random
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, as_completed
 from concurrent.futures import process as futures_process
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +183,7 @@ def test_cancel_running_and_shutdown_cancel_futures(ex, client):
     """A call given to Dask is running (cancel returns False); one still waiting in the
     executor is not, and is cancelled by cancel() or shutdown(cancel_futures=True)."""
     gate = distributed.Event(f"gate-{os.urandom(4).hex()}", client=client)
-    capacity = _cluster.executor._PER_THREAD * 2  # two workers of one thread
+    capacity = _cluster.connection._PER_THREAD * 2  # two workers of one thread
     futures = [ex.submit(wait_for, gate.name, i) for i in range(capacity + 4)]
     running, waiting = futures[:capacity], futures[capacity:]
     assert_running_soon(running)
@@ -323,6 +326,48 @@ def test_protocol5_buffers_and_gappy_views_are_sent_once(ex, client):
     pandas = pytest.importorskip("pandas")
     frame = pandas.DataFrame({"x": np.arange(MiB // 8, dtype=np.float64)})
     assert ex.submit(lambda f: float(f["x"].sum()), frame).result() == frame["x"].sum()
+
+
+class Handle:
+    """Holds a lock, so it cannot be pickled by itself: a reducer registered with
+    multiprocessing's ForkingPickler says how (as the standard library's executor, and
+    the local one, pickle it)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.lock = threading.Lock()
+
+
+def rebuild_handle(value: int) -> Handle:
+    return Handle(value)
+
+
+def reduce_handle(handle: Handle) -> Any:
+    return rebuild_handle, (handle.value,)
+
+
+def handle_value(handle: Handle) -> int:
+    return handle.value
+
+
+@pytest.fixture
+def handle_reducer() -> Iterator[None]:
+    ForkingPickler.register(Handle, reduce_handle)
+    try:
+        yield
+    finally:
+        ForkingPickler._extra_reducers.pop(Handle, None)  # type: ignore[attr-defined]
+
+
+def test_a_call_pickles_through_the_local_executors_pass_and_tables(ex, handle_reducer):
+    # The reducer tables of the local executor's pass: what registered with ForkingPickler.
+    assert ex.submit(handle_value, Handle(7)).result(timeout=60) == 7
+    assert ex.submit(handle_value, handle=Handle(8)).result(timeout=60) == 8
+    with sharexec.SharedProcessPoolExecutor(1) as local:
+        assert local.submit(handle_value, Handle(7)).result(timeout=60) == 7
+    # Less those that hand over a file descriptor: a socket does not cross hosts.
+    with socket.socket() as sock, pytest.raises(TypeError, match="socket"):
+        ex.submit(id, sock).result(timeout=60)
 
 
 # ---------------------------------------------------------------------------------------
@@ -628,7 +673,7 @@ def test_an_owned_local_cluster_is_closed_at_shutdown():
     before = segments_now()
     started = time.monotonic()
     with sharexec.ClusterExecutor(n_workers=1, threads_per_worker=1, dashboard_address=":0") as ex:
-        cluster = ex._cluster
+        cluster = ex._connection.cluster
         assert ex.submit(abs, -3).result() == 3
     assert cluster.status.name == "closed" and ex.client.status == "closed"
     assert segments_now() - before == set()

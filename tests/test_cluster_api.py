@@ -87,7 +87,7 @@ def test_closing_the_client_fails_every_call_not_done_with_broken_executor(clien
     ex = sharexec.ClusterExecutor(theirs)
     go = gate(client)
     a = np.ones(MiB // 8)  # sent once: the executor holds a blob on the cluster
-    capacity = _cluster.executor._PER_THREAD * 2  # two workers of one thread
+    capacity = _cluster.connection._PER_THREAD * 2  # two workers of one thread
     futures = [ex.submit(first_element, a, go.name) for _ in range(capacity + 3)]
     assert_running_soon(futures[:capacity])
     theirs.close()
@@ -262,7 +262,7 @@ def test_map_with_a_buffersize_and_chunks_counts_chunks(ex):
 def test_a_buffered_map_closed_submits_nothing_more(ex, client):
     """As the local executor's: the calls submitted ahead are the buffer's alone."""
     go = gate(client)
-    capacity = _cluster.executor._PER_THREAD * 2
+    capacity = _cluster.connection._PER_THREAD * 2
     blockers = [ex.submit(wait_for, go.name, i) for i in range(capacity)]
     assert_running_soon(blockers)
     results = ex.map(identity, range(100), buffersize=10)
@@ -294,7 +294,7 @@ def test_stopping_on_a_users_cluster_ends_the_calls_and_spares_its_workers(clien
     pids = client.run(os.getpid)
     ex = sharexec.ClusterExecutor(client)
     go = gate(client)
-    capacity = _cluster.executor._PER_THREAD * 2
+    capacity = _cluster.connection._PER_THREAD * 2
     futures = [ex.submit(wait_for, go.name, i) for i in range(capacity + 3)]
     running, queued = futures[:capacity], futures[capacity:]
     assert_running_soon(running)
@@ -327,5 +327,5 @@ def test_kill_workers_kills_the_workers_of_a_cluster_it_started():
     assert isinstance(running.exception(timeout=30), BrokenExecutor)
     assert wait_exit(pids, 30) == []
     ex.shutdown(wait=True)
-    assert ex._cluster.status.name == "closed"
+    assert ex._connection.cluster.status.name == "closed"
     assert segments_now() - before == set()

@@ -297,3 +297,23 @@ def test_the_changelog_is_in_the_usual_form():
     assert not re.search(r"\bissues? \d+", text, re.I), "CHANGES.md cites a tracker issue"
     for line in text.splitlines():
         assert len(line) <= 99, f"CHANGES.md: a line of {len(line)} characters"
+
+
+def test_ci_runs_every_test_file_that_skips_without_an_extra():
+    """.ci/run's step "tests of the extras" lists the test files that skip when an optional
+    package is missing (`pytest.importorskip` of one, or a skip that names an extra), so
+    that with every extra installed none of their tests is left unrun. Step 1 runs the
+    others already, without the extras."""
+    script = (ROOT / ".ci" / "run").read_text()
+    step = re.search(r'step "tests of the extras" python -m pytest (.*?)\n\n', script, re.S)
+    assert step is not None, '.ci/run has no step "tests of the extras"'
+    listed = set(re.findall(r"tests/\w+\.py", step.group(1)))
+    needs_extra = re.compile(r"importorskip\((?!\s*\"psutil\")|pip install '?sharexec\[")
+    skipping = {
+        f"tests/{path.name}"
+        for path in (ROOT / "tests").glob("test_*.py")
+        if needs_extra.search(path.read_text())
+    }
+    assert skipping, "no test file skips without an extra: the pattern is out of date"
+    assert skipping - listed == set(), "skip without an extra, not in the extras step"
+    assert listed - skipping == set(), "in the extras step, skip without no extra"

@@ -119,6 +119,25 @@ def test_a_user_initializer_runs_once_in_each_worker_started(
     assert sorted(p.name for p in tmp_path.glob("init-*")) == sorted(f"init-{p}" for p in started)
 
 
+def test_an_initializer_whose_argument_cannot_be_rebuilt_says_why(start_method, capfd):
+    # As the standard library's worker, ours logs its initializer's exception and the
+    # pool breaks; the error logged is the rebuild's, not a failure to read its call.
+    if start_method == "fork":
+        pytest.skip("under fork the initializer's call is inherited, not rebuilt")
+    if start_method not in ("spawn", "loky"):  # forks of a server started earlier
+        pytest.skip("the workers of a fork server write to the server's stderr, not ours")
+    with (
+        sharexec.SharedProcessPoolExecutor(
+            1, mp_context=start_method, initializer=sw.record_start, initargs=(sw.Unrebuildable(),)
+        ) as ex,
+        pytest.raises(BrokenProcessPool),
+    ):
+        ex.submit(sw.pid).result(timeout=60)
+    err = capfd.readouterr().err
+    assert "ValueError: this argument cannot be rebuilt in a worker" in err
+    assert "AttributeError" not in err
+
+
 def test_ctrl_c_while_workers_start_is_raised_once_they_are_counted(start_method, no_leaks):
     # A KeyboardInterrupt in the middle of a start left workers without the manager
     # thread that stops them: the program hung at exit, joining them.

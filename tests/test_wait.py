@@ -224,14 +224,14 @@ def test_a_future_has_its_own_lock_once_waited_for():
     ``wait``, ``as_completed``, or anything that takes ``_condition``)."""
     shared = threading.RLock()
     f, g = _loky.LokyFuture(shared), _loky.LokyFuture(shared)
-    assert f._own_lock is None and f._hold() is shared
+    assert f._own_lock is None and f._take_lock() is shared
     shared.release()
     f.set_running_or_notify_cancel()
     assert f.running() and not f.done() and f._own_lock is None
     assert wait([f, g], timeout=0).not_done == {f, g}
     assert f._own_lock is not None and g._own_lock is not None
     assert f._condition is f._own_lock and f._own_lock is not g._own_lock
-    assert f._hold() is f._own_lock  # the state is guarded by the own lock from now on
+    assert f._take_lock() is f._own_lock  # the state is guarded by the own lock from now on
     f._own_lock.release()
     f.set_result(1)
     assert f.result() == 1 and f.done() and wait([f, g], timeout=0).done == {f}

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import (
     ThreadPoolExecutor,
 )
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
 
@@ -43,6 +43,10 @@ def _host() -> str:
         boot = f.read().strip()
     st = os.stat(_segments.SHM_FOLDER)
     return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
+# Bytes as they arrive or are held: a buffer received (out of band), or a mapping.
+_Bytes = bytes | bytearray | memoryview | pickle.PickleBuffer | _segments.Mapping
 
 
 class _HostBytes:
@@ -75,7 +79,7 @@ class _HostBytes:
         self,
         digest: bytes,
         size: int,
-        data: Any = None,
+        data: bytes | memoryview | None = None,
         name: str | None = None,
         owner: object = None,
         held: _segments.Mapping | None = None,
@@ -107,18 +111,21 @@ class _HostBytes:
         blob.by_name = True
         return blob
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(
+        self, protocol: SupportsIndex
+    ) -> tuple[Callable[..., _HostBytes], tuple[object, ...]]:
         if self.zeros:
             return _HostBytes.of_zeros, (self.size,)
         if self.by_name:
             return _HostBytes.named, (self.digest, self.size, self.name)
         if self.local:
             return _arrive, (self.digest, self.size, _host(), self.name, None)
-        buffer = self.data if self.name is None else self._mapped()
-        buffer = pickle.PickleBuffer(buffer) if int(protocol) >= 5 else bytes(buffer)
+        source = self.data if self.name is None else self._mapped()
+        assert source is not None  # the user's buffer, or a segment of this host
+        buffer = pickle.PickleBuffer(source) if int(protocol) >= 5 else bytes(source)
         return _arrive, (self.digest, self.size, _host(), self.name, buffer)
 
-    def _mapped(self) -> Any:
+    def _mapped(self) -> _segments.Mapping | None:
         """The bytes, for a worker sending them: the segment mapped for this once (the
         frames keep it alive until sent), so that the held mapping stays untouched (no
         resident memory); the held one if the segment's owner on this host let it go."""
@@ -127,16 +134,17 @@ class _HostBytes:
         except SegmentError:
             return self.held
 
-    def private(self) -> Any:
+    def private(self) -> np.ndarray | bytearray:
         """A writable buffer of the bytes whose writes stay this caller's: of bytes in a
         segment, a copy-on-write mapping, kept for this process's next task while no task
         wrote into it (the local workers' KeptMappings; dropped once the segment goes)."""
         if self.zeros:  # pages of zeros, each made when first written
             return np.zeros(self.size, np.uint8)
         if self.name is None:
+            assert self.data is not None  # bytes neither in a segment nor zeros
             return bytearray(self.data)
         try:
-            return _worker.kept.hold_copy(self.name, self.size, watch=True)
+            return self._hold_copy(self.name)
         except SegmentError as exc:
             if self.by_name:
                 raise SegmentError(
@@ -147,11 +155,17 @@ class _HostBytes:
             if self.owner is None:
                 self._rehome()
         if self.name is None:  # shared memory short: the bytes are in this process
+            assert self.data is not None
             return bytearray(self.data)
-        return _worker.kept.hold_copy(self.name, self.size, watch=True)
+        return self._hold_copy(self.name)
+
+    def _hold_copy(self, name: str) -> np.ndarray:
+        holder: np.ndarray = _worker.kept.hold_copy(name, self.size, watch=True)
+        return holder
 
     def _rehome(self) -> None:
         """Copy the bytes held into a segment of this process's (under _here_lock)."""
+        assert self.held is not None  # not the owner: it holds the owner's segment
         mine = _copy_in(self.digest, self.size, self.held)
         self.name, self.owner, self.held = mine.name, mine.owner, mine.held
         if self.name is None:  # shared memory short: the bytes stay in this process
@@ -165,7 +179,7 @@ _here_lock = threading.Lock()
 
 
 def _arrive(
-    digest: bytes, size: int, host: str, name: str | None, buffer: Any | None
+    digest: bytes, size: int, host: str, name: str | None, buffer: _Bytes | None
 ) -> _HostBytes:
     """Unpickled in a worker: the blob over this host's one copy of ``buffer``'s bytes
     (``buffer`` None: the client of this host sent the name of its copy alone)."""
@@ -191,7 +205,7 @@ def _arrive(
         return _here.setdefault(digest, blob)
 
 
-def _copy_in(digest: bytes, size: int, buffer: Any) -> _HostBytes:
+def _copy_in(digest: bytes, size: int, buffer: _Bytes) -> _HostBytes:
     """A worker's blob of ``buffer``'s bytes: in a segment of its own, held."""
     data = memoryview(buffer).cast("B")
     try:
@@ -201,7 +215,7 @@ def _copy_in(digest: bytes, size: int, buffer: Any) -> _HostBytes:
     return _HostBytes(digest, size, name=name, owner=owner, held=_tracking.attach_held(name, size))
 
 
-def _in_segment(size: int, content: _segments.Content) -> tuple[str, Any]:
+def _in_segment(size: int, content: _segments.Content) -> tuple[str, object]:
     """A new segment this process owns, holding what ``content`` writes: its name and its
     owner. The bytes are written into the segment's file (each page allocated and filled
     at once, about twice as fast as a copy through a fresh mapping) and never mapped here,

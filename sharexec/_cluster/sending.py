@@ -16,12 +16,14 @@ import threading
 import time
 import weakref
 from functools import partial
-from typing import Any
 
 import numpy as np
 
+from .._copies import taken_for
+from .._reduction import argument_owner, buffer_owner
 from ..errors import SegmentError
 from .blobs import _digest, _host, _HostBytes, _in_segment, _zeros
+from .dask_api import DaskClient, DaskFuture
 
 
 class _Sent:
@@ -35,15 +37,15 @@ class _Sent:
 
     __slots__ = ("calls", "copy", "future", "size", "sources")
 
-    def __init__(self, future: Any, copy: _HostBytes | None, size: int) -> None:
+    def __init__(self, future: DaskFuture | None, copy: _HostBytes | None, size: int) -> None:
         self.future = future
         self.copy = copy  # freed (its segment unlinked) with this record
         self.size = size  # of the bytes, e.g. 200_000_000
         self.calls = 0
-        self.sources: list[weakref.ref[Any]] = []
+        self.sources: list[weakref.ref[object]] = []
 
     @property
-    def given(self) -> Any:
+    def given(self) -> DaskFuture | _HostBytes | None:
         """What a task is given for the blob: its Dask future, or the copy's name."""
         return self.copy if self.future is None else self.future
 
@@ -59,7 +61,7 @@ class _Read:
 
     __slots__ = ("address", "at", "digest", "nbytes", "source")
 
-    def __init__(self, source: weakref.ref[Any], address: int, nbytes: int, at: int) -> None:
+    def __init__(self, source: weakref.ref[object], address: int, nbytes: int, at: int) -> None:
         self.source = source
         self.address = address  # e.g. 140213466341392: where the bytes were
         self.nbytes = nbytes
@@ -83,7 +85,7 @@ class Sender:
     if the object it came from lives.
     """
 
-    def __init__(self, client: Any, token: str, lock: threading.RLock) -> None:
+    def __init__(self, client: DaskClient, token: str, lock: threading.RLock) -> None:
         self._client = client
         self._direct = getattr(client, "direct_to_workers", None) is not False
         self._token = token
@@ -105,7 +107,7 @@ class Sender:
         """The clock: a call is stamped at its submit, a hash at its start."""
         return next(self._clock)
 
-    def given(self, blob: bytes | _HostBytes) -> Any:
+    def given(self, blob: bytes | _HostBytes) -> DaskFuture | _HostBytes | None:
         """What a task is given for one of its blobs (under the lock)."""
         return self.sent[blob].given if isinstance(blob, bytes) else blob
 
@@ -124,20 +126,20 @@ class Sender:
         for s in sent:
             s.release()
 
-    def send(self, data: memoryview, since: int, arguments: list[Any]) -> bytes | _HostBytes:
-        """The digest of ``data``'s bytes, now on the cluster (sent unless they were); or,
-        if they are all zeros, a blob that says so, to travel in the task."""
-        source = data.obj
+    def send(self, data: memoryview, since: int) -> bytes | _HostBytes:
+        """The digest of ``data``'s bytes (a buffer of a call submitted at ``since``), now
+        on the cluster (sent unless they were); or, if they are all zeros, a blob that
+        says so, to travel in the task."""
+        source = buffer_owner(data)
+        argument = argument_owner(data)  # ``source``, if the call was given it
         address = _address(data)
         with self._lock:
             read = self._read.get(id(source))
-            if (  # bytes hashed after the call was submitted, of an argument it was given
+            if (  # the local executor's rule for trusting a copy (_copies.taken_for)
                 read is not None
-                and read.source() is source
                 and (read.address, read.nbytes) == (address, data.nbytes)
-                and read.at > since
                 and read.digest in self.sent
-                and any(source is a for a in arguments)
+                and taken_for(since, read.at, argument, read.source)
             ):
                 self.sent[read.digest].calls += 1
                 self.bytes_reused += data.nbytes
@@ -160,13 +162,13 @@ class Sender:
             with contextlib.suppress(TypeError):  # not weakly referable: no reuse by source
                 if not any(ref() is source for ref in sent.sources):
                     sent.sources.append(weakref.ref(source, partial(self._source_gone, digest)))
-                if any(source is a for a in arguments):
+                if argument is not None:
                     ref = weakref.ref(source, partial(self._read_gone, id(source)))
                     self._read[id(source)] = read = _Read(ref, address, data.nbytes, at)
                     read.digest = digest
         return digest
 
-    def _now_holds(self, source: Any, digest: bytes | None) -> None:
+    def _now_holds(self, source: object, digest: bytes | None) -> None:
         """``source`` holds the bytes ``digest`` now (None: zeros), so no other blob is kept
         for it any more (under self._lock)."""
         for other, held in list(self.sent.items()):
@@ -174,7 +176,7 @@ class Sender:
                 held.sources = [r for r in held.sources if r() is not source]
                 self._maybe_release(other, held)
 
-    def _hash(self, data: memoryview) -> tuple[bytes, tuple[str, Any] | None]:
+    def _hash(self, data: memoryview) -> tuple[bytes, tuple[str, object] | None]:
         """The digest of ``data``'s bytes; and the client's copy of them for the workers of
         its host (name and owner of a segment, see _in_segment), written as they are
         hashed, when they are sure to be sent: no blob of their length is on the cluster
@@ -190,7 +192,7 @@ class Sender:
             return _digest(data), None
         return digests[0], copy
 
-    def _scatter(self, digest: bytes, data: memoryview, copy: tuple[str, Any] | None) -> _Sent:
+    def _scatter(self, digest: bytes, data: memoryview, copy: tuple[str, object] | None) -> _Sent:
         """Put ``data``'s bytes on the cluster, as the blob ``digest`` (under self._lock).
 
         When workers share the client's host, the bytes are copied once into a segment
@@ -236,14 +238,14 @@ class Sender:
             self._local = now, workers, len(workers) == len(hosts)
         return workers
 
-    def _source_gone(self, digest: bytes, ref: weakref.ref[Any]) -> None:
+    def _source_gone(self, digest: bytes, ref: weakref.ref[object]) -> None:
         with self._lock:
             sent = self.sent.get(digest)
             if sent is not None:
                 sent.sources = [r for r in sent.sources if r is not ref]
                 self._maybe_release(digest, sent)
 
-    def _read_gone(self, key: int, ref: weakref.ref[Any]) -> None:
+    def _read_gone(self, key: int, ref: weakref.ref[object]) -> None:
         with self._lock:
             read = self._read.get(key)
             if read is not None and read.source is ref:

@@ -2,27 +2,51 @@
 
 :func:`_run` rebuilds a call over its blobs (copy-on-write through the worker's kept
 mappings), runs it, and returns its outcome with what it changed of each shared slot
-(:func:`_changes`); a task's exception travels as a ``_wire.Raised``, as from a local
-worker. :func:`_worker_holds` and :func:`_scheduler_holds` count what the cluster still
-holds of an executor (shutdown waits for none).
+(:func:`_changes`) as an :class:`Outcome`; a task's exception travels as a
+``_wire.Raised``, as from a local worker. :func:`_worker_holds` and
+:func:`_scheduler_holds` count what the cluster still holds of an executor (shutdown
+waits for none).
 """
 
 from __future__ import annotations
 
 import pickle
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from .. import _segments, _tracking, _worker
-from .._wire import Raised
-
-if TYPE_CHECKING:
-    pass
-
-
+from .._wire import Failure, Raised
 from .blobs import _HostBytes
+
+
+class Change(NamedTuple):
+    """What a task changed of one shared slot: the elements whose bytes differ."""
+
+    slot: int  # in the order the call's pass met the slots, e.g. 0
+    mask: np.ndarray | None  # np.packbits of which elements changed; None: all of them
+    values: np.ndarray  # the new values of those elements, in order
+
+
+class Outcome(NamedTuple):
+    """What a task sends back to the client: how the call ended, and its changes."""
+
+    result: object  # what the call returned (None if it raised)
+    # The call's exception, if it raised: a Raised, rebuilt a Failure in the client.
+    raised: Raised | Failure | None
+    changes: list[Change]  # of the shared slots it changed, e.g. [Change(0, None, …)]
+
+
+class _Keys(Protocol):
+    """What the scheduler and a worker hold of tasks, by key (only the keys are read)."""
+
+    tasks: dict[object, object]
+
+
+class _Worker(Protocol):
+    state: _Keys
+
 
 # In the thread unpickling a call: the shared slots it rebuilt, e.g. [(0, snapshot, copy)]
 # (slots), and the ids of the buffers of zeros it was given (zeros, e.g. {140213}).
@@ -37,7 +61,7 @@ def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
     from the blob's segment (or are zeros). A small one, unpickled from the payload, is
     copied.
     """
-    mapping: Any = snapshot.base
+    mapping: object = snapshot.base
     working: np.ndarray
     # numpy: ndarray, memoryview, ours; or the zeros given
     while isinstance(mapping, (np.ndarray, memoryview)) and id(mapping) not in _unpacking.zeros:
@@ -55,9 +79,9 @@ def _slot(index: int, snapshot: np.ndarray) -> np.ndarray:
     return working
 
 
-def _changes(before: np.ndarray, after: np.ndarray) -> Any:
-    """What changed between two arrays of one shape: None, ``(None, all values)`` or
-    ``(packed mask, values changed)``, compared byte for byte (NaN, -0.0)."""
+def _changes(index: int, before: np.ndarray, after: np.ndarray) -> Change | None:
+    """What changed between two arrays of one shape, the slot ``index``'s: None, every
+    value, or those of a mask, compared byte for byte (NaN, -0.0)."""
     size = before.dtype.itemsize
     word = next(w for w in (8, 4, 2, 1) if size % w == 0)  # compared a word at a time
     old = before.reshape(-1).view(f"u{word}")
@@ -67,14 +91,13 @@ def _changes(before: np.ndarray, after: np.ndarray) -> Any:
     if not mask.any():
         return None
     if mask.all():
-        return None, after
-    return np.packbits(mask), after.reshape(-1)[mask]
+        return Change(index, None, after)
+    return Change(index, np.packbits(mask), after.reshape(-1)[mask])
 
 
-def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
-    """A call, in a Dask worker: ``("ok", result, changes)`` or ``("error", raised,
-    changes)``, ``raised`` a ``_wire.Raised`` (the client gets a ``_wire.Failure``) and
-    ``changes`` what the call changed of each shared slot."""
+def _run(payload: bytes, blobs: list[_HostBytes]) -> Outcome:
+    """A call, in a Dask worker: its outcome, ``raised`` a ``_wire.Raised`` (the client
+    gets a ``_wire.Failure``), with what the call changed of each shared slot."""
     _worker.kept.drop_unlinked()  # the mappings kept of segments freed since
     buffers = [b.private() for b in blobs]
     kept = [b.name for b in blobs if b.name is not None]  # mapped through KeptMappings
@@ -86,22 +109,26 @@ def _run(payload: bytes, blobs: list[_HostBytes]) -> tuple[Any, ...]:
     finally:
         _unpacking.slots, _unpacking.zeros = [], set()
     del blobs, buffers
+    result: object = None
+    raised = None
     try:
-        outcome: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
+        result = fn(*args, **kwargs)
     except BaseException as exc:  # as the standard library's worker (SystemExit too)
-        outcome = ("error", Raised(exc))  # rebuilt apart in the client (_wire.load_raised)
+        raised = Raised(exc)  # rebuilt apart in the client (_wire.load_raised)
     del fn, args, kwargs
-    changes = [(index, _changes(before, after)) for index, before, after in slots]
+    changes = [_changes(index, before, after) for index, before, after in slots]
     del slots
     _worker.kept.after_task(kept)  # unwritten and no view left: the next task reuses them
-    return (*outcome, [c for c in changes if c[1] is not None])
+    return Outcome(result, raised, [c for c in changes if c is not None])
 
 
-def _scheduler_holds(token: str, dask_scheduler: Any = None) -> int:
+def _scheduler_holds(token: str, dask_scheduler: _Keys | None = None) -> int:
     """On the scheduler: how many tasks of the executor marked ``token`` it knows."""
+    assert dask_scheduler is not None  # given by Client.run_on_scheduler
     return sum(token in str(key) for key in dask_scheduler.tasks)
 
 
-def _worker_holds(token: str, dask_worker: Any = None) -> int:
+def _worker_holds(token: str, dask_worker: _Worker | None = None) -> int:
     """In a worker: how many keys of the executor marked ``token`` it holds or runs."""
+    assert dask_worker is not None  # given by Client.run
     return sum(token in str(key) for key in dask_worker.state.tasks)

@@ -104,10 +104,10 @@ raise_if_unsupported()  # before the modules below subclass what loky has
 
 from .batching import AlreadyDone, BatchOutcome, BatchPolicy, CallBatch  # noqa: E402
 from .executor import LokyExecutor, cpu_count, get_context  # noqa: E402
-from .futures import LokyFuture, remote_traceback  # noqa: E402
+from .futures import LokyFuture, PoolFuture, remote_traceback  # noqa: E402
 from .leak_check import count_private_memory_only  # noqa: E402
 from .queues import note_run_seconds, send_outcome  # noqa: E402
-from .reducers import DISPATCH_TABLE, FORKING_REDUCERS  # noqa: E402
+from .reducers import DISPATCH_TABLE, FORKING_REDUCERS, Reducers  # noqa: E402
 from .warm_server import WARM_PRELOAD, warm_context  # noqa: E402
 
 __all__ = [
@@ -121,6 +121,8 @@ __all__ = [
     "CallBatch",
     "LokyExecutor",
     "LokyFuture",
+    "PoolFuture",
+    "Reducers",
     "count_private_memory_only",
     "cpu_count",
     "get_context",

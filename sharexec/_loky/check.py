@@ -24,7 +24,6 @@ from multiprocessing import queues as mp_queues
 from multiprocessing import reduction as mp_reduction
 from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
-from typing import Any
 
 import loky
 from loky import process_executor
@@ -236,9 +235,9 @@ def _problems() -> list[str]:
 _MISSING = object()
 
 
-def _lookup(module: types.ModuleType, path: str) -> Any:
+def _lookup(module: types.ModuleType, path: str) -> object:
     """The object at ``path`` in ``module`` (``"_SafeQueue.get"``), or _MISSING."""
-    found: Any = module
+    found: object = module
     for name in path.split("."):
         found = getattr(found, name, _MISSING)
         if found is _MISSING:

@@ -23,19 +23,22 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from typing import Any
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from types import FrameType
 
 import loky
 from loky import process_executor
 from loky.backend import context as loky_context
 
 from .batching import _NO_KEYWORDS, BatchPolicy, _CoalescedWakeup, _Manager, _WorkIds
+from .futures import PoolFuture
 from .queues import _CallQueue, _ResultQueue
+from .reducers import Reducers
 
 # Public loky API, offered here so that the executor needs no other door.
 cpu_count: Callable[..., int] = loky.cpu_count
-get_context: Callable[..., Any] = loky_context.get_context
+get_context: Callable[..., BaseContext] = loky_context.get_context
 
 
 class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
@@ -55,9 +58,9 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         self,
         *,
         max_workers: int | None,
-        context: Any,
+        context: BaseContext,
         initializer: Callable[..., object] | None,
-        initargs: tuple[Any, ...],
+        initargs: tuple[object, ...],
         env: dict[str, str] | None,
         max_tasks_per_child: int | None,
         batching: BatchPolicy | None = None,
@@ -84,7 +87,9 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         # those a worker hands back later included (read by the manager thread).
         self._flags.cancel_pending = False
 
-    def _enqueue(self, future: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def _enqueue(
+        self, future: PoolFuture, fn: Callable[..., object], args: tuple[object, ...]
+    ) -> None:
         """Queue the call ``fn(*args)``, whose outcome ``future`` will receive.
 
         As loky's ``submit``, with the caller's future: raises the error that broke the
@@ -135,12 +140,12 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
         """The number of workers the pool keeps."""
         return int(self._max_workers)
 
-    def _pool_processes(self) -> list[Any]:
+    def _pool_processes(self) -> list[BaseProcess]:
         """The worker processes alive now (a copy: shutting down empties loky's table)."""
         processes = self._processes
         return list(processes.values()) if processes else []
 
-    def _pending_futures(self) -> list[Future[Any]]:
+    def _pending_futures(self) -> list[PoolFuture]:
         """The futures of the calls not done yet."""
         return [item.future for item in list(self._pending_work_items.values())]
 
@@ -152,7 +157,10 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             future.cancel()
 
     def _setup_queues(
-        self, job_reducers: Any, result_reducers: Any, queue_size: int | None = None
+        self,
+        job_reducers: Reducers | None,
+        result_reducers: Reducers | None,
+        queue_size: int | None = None,
     ) -> None:
         # loky's hook for its queues (its __init__ calls it): the queues loky makes, made
         # of our classes, with loky's arguments and size.
@@ -263,7 +271,7 @@ def _ctrl_c_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held: list[Any] = []
+    held: list[FrameType | None] = []
     try:
         previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
     except ValueError:  # not the main interpreter: its signals are not ours to hold

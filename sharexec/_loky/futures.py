@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import _base as futures_base
 from concurrent.futures import process as futures_process
-from typing import Any
+from typing import Protocol
 
 import loky
 
@@ -22,6 +22,36 @@ _FINISHED = futures_base.FINISHED  # the state of a future with its outcome
 # The states of a future that is done (cancelled, or with its outcome).
 _CANCELLED = frozenset({futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED})
 _DONE = _CANCELLED | {_FINISHED}
+
+
+class PoolFuture(Protocol):
+    """What the pool needs of the future of a call, to which it gives the call's outcome:
+    a :class:`LokyFuture`, or a slot of ``map`` (``_executor._Slot``)."""
+
+    def set_running_or_notify_cancel(self) -> bool: ...
+
+    def set_pending_again(self) -> None: ...
+
+    def set_result(self, result: object) -> None: ...
+
+    def set_exception(self, exception: BaseException | None) -> None: ...
+
+    def cancel(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+    def add_done_callback(self, fn: Callable[[object], object]) -> None: ...
+
+
+class _Waiter(Protocol):
+    """What ``concurrent.futures.wait`` puts in a future's waiters (and ``result()``:
+    :class:`_Awaited`), told when the future is done."""
+
+    def add_result(self, future: LokyFuture) -> None: ...
+
+    def add_exception(self, future: LokyFuture) -> None: ...
+
+    def add_cancelled(self, future: LokyFuture) -> None: ...
 
 
 class _Awaited:
@@ -41,7 +71,7 @@ class _Awaited:
         else:
             self._held.acquire(True, max(timeout, 0))
 
-    def wake(self, future: Any = None) -> None:
+    def wake(self, future: object = None) -> None:
         """Let the waiting thread go (called with the future's state locked)."""
         if self._held.locked():
             self._held.release()
@@ -63,7 +93,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
       by several futures would make that order no order at all, and two threads waiting
       on futures of two executors deadlock. The swap is made under the shared lock, and
       what changes the state takes the shared lock first, then (released) the future's
-      own if there is one (``_hold``).
+      own if there is one (``_take_lock``).
     * Its lists of waiters (``wait`` and ``as_completed`` put theirs there) and of done
       callbacks are made when first asked for. ``result()`` and ``exception()`` that have
       to wait put a waiter of their own there too (:class:`_Awaited`, a held lock): a
@@ -80,10 +110,10 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
         self._shared_lock = threading.RLock() if lock is None else lock
         self._own_lock: threading.RLock | None = None
         self._state = futures_base.PENDING
-        self._result: Any = None
+        self._result: object = None
         self._exception: BaseException | None = None
-        self._waiters_made: list[Any] | None = None
-        self._callbacks_made: list[Any] | None = None
+        self._waiters_made: list[_Waiter] | None = None
+        self._callbacks_made: list[Callable[[LokyFuture], object]] | None = None
 
     @property
     def _condition(self) -> threading.RLock:
@@ -97,7 +127,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
                     own = self._own_lock = threading.RLock()
         return own
 
-    def _hold(self) -> threading.RLock:
+    def _take_lock(self) -> threading.RLock:
         """Take the lock that guards the future's state now, and return it (to release):
         the shared one while the future has no lock of its own. Never held while another
         future's lock is taken, but in the standard library's order."""
@@ -111,13 +141,13 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
         return own
 
     @property
-    def _waiters(self) -> list[Any]:
+    def _waiters(self) -> list[_Waiter]:
         if self._waiters_made is None:
             self._waiters_made = []
         return self._waiters_made
 
     @property
-    def _done_callbacks(self) -> list[Any]:
+    def _done_callbacks(self) -> list[Callable[[LokyFuture], object]]:
         if self._callbacks_made is None:
             self._callbacks_made = []
         return self._callbacks_made
@@ -126,7 +156,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
         """Wait until this future is done (cancelled, or with its outcome), or ``timeout``."""
         if self._state in _DONE:
             return
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state in _DONE:
                 return
@@ -137,13 +167,13 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
         try:
             awaited.wait(timeout)
         finally:
-            lock = self._hold()
+            lock = self._take_lock()
             try:
                 self._waiters.remove(awaited)
             finally:
                 lock.release()
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> object:
         if self._state == _FINISHED and self._exception is None:
             return self._result
         self._await_done(timeout)
@@ -177,8 +207,8 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
     def cancelled(self) -> bool:
         return self._state in _CANCELLED
 
-    def add_done_callback(self, fn: Callable[[Any], object]) -> None:
-        lock = self._hold()
+    def add_done_callback(self, fn: Callable[[LokyFuture], object]) -> None:
+        lock = self._take_lock()
         try:
             if self._state not in _DONE:
                 self._done_callbacks.append(fn)
@@ -193,7 +223,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
     def cancel(self) -> bool:
         if self._state == _FINISHED:
             return False
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state in (futures_base.RUNNING, _FINISHED):
                 return False
@@ -211,7 +241,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
     def set_pending_again(self) -> None:
         """Its call was handed back unstarted (a batch's, see ``_Manager``): pending
         again, so it may be cancelled until it is handed out again."""
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state == futures_base.RUNNING:
                 self._state = futures_base.PENDING
@@ -219,7 +249,7 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
             lock.release()
 
     def set_running_or_notify_cancel(self) -> bool:
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state == futures_base.CANCELLED:
                 self._state = futures_base.CANCELLED_AND_NOTIFIED
@@ -234,16 +264,16 @@ class LokyFuture(loky.Future):  # type: ignore[misc]
             lock.release()
         raise RuntimeError(f"Future in unexpected state: {state}")
 
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: object) -> None:
         self._finish(result, None, "add_result")
 
     def set_exception(self, exception: BaseException | None) -> None:
         self._finish(None, exception, "add_exception")
 
-    def _finish(self, result: Any, exception: BaseException | None, tell: str) -> None:
+    def _finish(self, result: object, exception: BaseException | None, tell: str) -> None:
         """Done with its outcome: the waiters told (``tell``, their method), then the
         callbacks called."""
-        lock = self._hold()
+        lock = self._take_lock()
         try:
             if self._state in _DONE:
                 raise futures_base.InvalidStateError(f"{self._state}: {self!r}")

@@ -5,7 +5,7 @@ queue) with subclasses, made in loky's ``_setup_queues`` hook. loky pickles ever
 with a fresh cloudpickle pickler (about 15 µs of set-up, more than the rest of a tiny
 task's trip); the calls and replies sharexec puts there are reduced to bytes and segment
 names already, so the call queue's feeder thread (multiprocessing's, rebuilt on the
-queue's private parts: :func:`_feed`) and the result queue's ``put`` pickle those
+queue's inner parts: :func:`_feed`) and the result queue's ``put`` pickle those
 envelopes with the standard pickler, and anything else (a task's exception, loky's own
 messages) as loky does. Worker recycling (``max_tasks_per_child``, which loky's
 constructor lacks) rides on loky's clean-exit protocol, quietly. In a worker:
@@ -21,8 +21,10 @@ import pickle
 import threading
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from multiprocessing import queues as mp_queues
 from multiprocessing import util as mp_util
+from multiprocessing.synchronize import BoundedSemaphore
 from typing import Any
 
 from loky import process_executor
@@ -30,6 +32,7 @@ from loky.backend import queues as loky_queues
 from loky.backend import reduction as loky_reduction
 
 from .batching import _NO_KEYWORDS, AlreadyDone, BatchOutcome, CallBatch
+from .reducers import Reducers
 
 # In a worker: how long the last call it ran took, sent with its result (_ResultQueue).
 _run_seconds: float | None = None
@@ -67,14 +70,14 @@ class _CallQueue(process_executor._SafeQueue):  # type: ignore[misc]
     max_tasks: int | None = None
     _taken = 0  # tasks this worker has taken (each worker unpickles its own copy)
 
-    def __getstate__(self) -> tuple[Any, ...]:
+    def __getstate__(self) -> tuple[object, ...]:
         return (*super().__getstate__(), self.max_tasks)
 
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
+    def __setstate__(self, state: tuple[Any, ...]) -> None:  # loky's state, then ours
         super().__setstate__(state[:-1])
         self.max_tasks = state[-1]
 
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+    def get(self, block: bool = True, timeout: float | None = None) -> object:
         global _recycling
         if self.max_tasks is not None and self._taken >= self.max_tasks:
             _recycling = True
@@ -117,15 +120,15 @@ class _CallQueue(process_executor._SafeQueue):  # type: ignore[misc]
 
 
 def _feed(
-    buffer: deque[Any],
+    buffer: deque[Any],  # loky's call items (untyped), None, or the sentinel
     notempty: threading.Condition,
     send_bytes: Callable[[bytes], None],
-    writelock: Any,
+    writelock: AbstractContextManager[object],
     close: Callable[[], None],
-    reducers: Any,
+    reducers: Reducers | None,
     ignore_epipe: bool,
-    onerror: Callable[[BaseException, Any], None],
-    queue_sem: Any,
+    onerror: Callable[[BaseException, object], None],
+    queue_sem: BoundedSemaphore,
 ) -> None:
     """The feeder thread: pickle each item put on the call queue, and send it."""
     sentinel: object = mp_queues._sentinel  # type: ignore[attr-defined]
@@ -165,7 +168,9 @@ def _feed(
         del item
 
 
-def _without_failures(item: Any, onerror: Callable[[BaseException, Any], None]) -> Any:
+def _without_failures(
+    item: process_executor._CallItem, onerror: Callable[[BaseException, object], None]
+) -> process_executor._CallItem | None:
     """A batch that failed to pickle: each of its calls is pickled alone, and one that
     fails gets its own error (``onerror``); the others are returned as a call item again,
     to be sent in the batch's place (the same place in the call queue: the same slot of
@@ -204,7 +209,7 @@ class _ResultQueue(loky_queues.SimpleQueue):  # type: ignore[misc]
     replaces it without a warning.
     """
 
-    def put(self, obj: Any) -> None:
+    def put(self, obj: Any) -> None:  # loky's result items (untyped), or a pid
         if type(obj) is process_executor._ResultItem:
             if _run_seconds is not None:  # how long the call ran (not a batch: per call)
                 obj.seconds = _run_seconds

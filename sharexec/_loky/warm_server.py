@@ -17,6 +17,7 @@ import io
 import os
 import signal
 import threading
+from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver as mp_forkserver
@@ -24,6 +25,7 @@ from multiprocessing import popen_forkserver as mp_popen_forkserver
 from multiprocessing import reduction as mp_reduction
 from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 # What sharexec's server imports once, so that every worker forked from it starts warm:
@@ -197,7 +199,12 @@ class _ParentState:
         self.ignored = _signals(_status_field(status, "SigIgn"))
         self.blocked = {int(number) for number in signal.pthread_sigmask(signal.SIG_BLOCK, ())}
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(
+        self,
+    ) -> tuple[
+        Callable[[dict[bytes, bytes], int, set[int], set[int]], None],
+        tuple[dict[bytes, bytes], int, set[int], set[int]],
+    ]:
         return _take_parent_state, (self.environ, self.umask, self.ignored, self.blocked)
 
 
@@ -244,8 +251,8 @@ class _WarmPopen(mp_popen_forkserver.Popen):
 
     _status: int | None = None  # the server's pipe: the child's pid, then its exit status
 
-    def _launch(self, process_obj: Any) -> None:
-        data = mp_spawn.get_preparation_data(process_obj._name)
+    def _launch(self, process_obj: BaseProcess) -> None:
+        data = mp_spawn.get_preparation_data(process_obj.name)
         data.pop("init_main_from_path", None)
         data.pop("init_main_from_name", None)
         data = {"sharexec_parent_state": _ParentState(), **data}
@@ -297,7 +304,7 @@ class _WarmProcess(mp_context.ForkServerProcess):
     _start_method = "forkserver"
 
     @staticmethod
-    def _Popen(process_obj: Any) -> _WarmPopen:
+    def _Popen(process_obj: BaseProcess) -> _WarmPopen:
         return _WarmPopen(process_obj)
 
 
@@ -314,7 +321,7 @@ class _WarmContext(mp_context.ForkServerContext):
 _warm = _WarmContext()
 
 
-def warm_context() -> Any:
+def warm_context() -> mp_context.ForkServerContext:
     """sharexec's default start method: forks of a server that imported
     :data:`WARM_PRELOAD` (a ``forkserver`` context; see :class:`_WarmServer`)."""
     return _warm
