@@ -55,12 +55,14 @@ def parent_packages() -> dict[str, list[str]]:
     should find imported, each with its modules imported here (itself first), e.g.
     ``{"scipy": ["scipy", "scipy.stats", ...]}``: not the standard library's, nor the
     main module, nor a private name (``_pytest``: what a public package imports), nor
-    a module made at run time (no ``__spec__``)."""
+    a module made at run time (no ``__spec__``), nor sharexec (its parent's side is no
+    worker's business: the server imports :data:`WARM_PRELOAD`)."""
     packages: dict[str, list[str]] = {}
     for name, module in list(sys.modules.items()):
         top = name.partition(".")[0]
         if (
             top.startswith("_")
+            or top == "sharexec"
             or not top.isidentifier()
             or top in sys.stdlib_module_names
             or top in sys.builtin_module_names
