@@ -17,9 +17,10 @@ authentication of clients) and says what else to do through those names:
 Each module's import is guarded: its output goes to ``/dev/null``, any exception is
 swallowed (the module is then not preloaded; a worker imports it when a task needs it,
 as before), and an executor made meanwhile is refused. After each top-level package,
-the server checks that it still has one thread (``/proc/self/task``; after a throwaway
-fork if not, since OpenBLAS stops its pool at a fork): a server with a thread of a
-package's making is no safe process to fork workers from. It then writes that
+the server checks that it runs no thread it did not run before the parent's packages
+(``/proc/self/task``: its main thread, and the pool of NumPy's OpenBLAS, which stops
+at each fork): a server with a thread of a package's making is no safe process to fork
+workers from. It then writes that
 package's name in the file ``<orders>.left-out`` and exits before it serves a fork;
 the parent reads that file when its fork request fails, and starts a server without
 the package (``warm_server._WarmServer``).
@@ -42,20 +43,20 @@ from . import warm_server
 __path__: list[str] = []  # a package: the names above are its submodules
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
-def one_thread() -> bool:
-    """Whether this process runs one thread, as a fork would find it (a throwaway fork
-    first if it has more: libraries that stop their threads at a fork do it then)."""
-    if _threads() == 1:
-        return True
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-    return _threads() == 1
+# The server's threads once it has imported what sharexec preloads itself, before the
+# parent's packages: its main thread, and the pool NumPy's OpenBLAS may start at import,
+# which it stops at each fork (its own handler) and starts again when next needed. A
+# package that leaves any other thread running makes the server unfit to fork from.
+_BASELINE = _threads()
+
+
+def new_threads() -> bool:
+    """Whether a thread runs here that did not when this module was imported."""
+    return bool(_threads() - _BASELINE)
 
 
 @contextlib.contextmanager
@@ -120,7 +121,7 @@ class _Preloader(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         for modules in packages:
             for name in modules:
                 _import_quietly(name)
-            if not one_thread():
+            if new_threads():
                 with open(orders + ".left-out", "w") as f:
                     f.write(modules[0])
                 os._exit(0)  # before serving any fork: the parent starts one without it

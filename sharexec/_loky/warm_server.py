@@ -173,7 +173,7 @@ class _WarmServer:
         del self.packages[package]
         logger.debug(
             "the warm server does not preload %r: its import starts a thread, and the "
-            "server forks its workers from a process with one thread",
+            "server forks its workers from a process with no thread but its own",
             package,
         )
         return True
