@@ -293,7 +293,7 @@ def modules(names):
     return os.getpid(), os.getppid(), [n for n in names if n in sys.modules]
 if __name__ == "__main__":
     with sharexec.SharedProcessPoolExecutor(2) as ex:
-        names = ("warmpkg", "warmpkg.sub", "threadpkg", "failpkg", "poolpkg")
+        names = ("warmpkg", "warmpkg.sub", "threadpkg", "failpkg", "poolpkg", "scipy.linalg")
         pid, parent, present = ex.submit(modules, names).result()
         server = _loky.warm_server._warm_server.server._forkserver_pid
         print(json.dumps({{
@@ -359,6 +359,14 @@ def test_a_package_whose_import_starts_a_thread_is_left_out_and_said(tmp_path: P
     # the first server imported it and exited; the one that serves did not import it
     assert report["server"] not in importers["threadpkg"]
     assert len(importers["threadpkg"]) == 2
+
+
+def test_a_package_whose_blas_pool_stops_at_a_fork_is_preloaded(tmp_path: Path):
+    # SciPy's own OpenBLAS starts a thread pool at import, and stops it at each fork.
+    pytest.importorskip("scipy.linalg")
+    report, _, _ = run_program(tmp_path, "import scipy.linalg")
+    assert report["present"] == ["scipy.linalg"]
+    assert report["left_out"] == [] and report["server_threads"] == 1
 
 
 def test_a_package_failing_in_the_server_is_skipped_silently(tmp_path: Path):

@@ -18,12 +18,13 @@ Each module's import is guarded: its output goes to ``/dev/null``, any exception
 swallowed (the module is then not preloaded; a worker imports it when a task needs it,
 as before), and an executor made meanwhile is refused. After each top-level package,
 the server checks that it runs no thread it did not run before the parent's packages
-(``/proc/self/task``: its main thread, and the pool of NumPy's OpenBLAS, which stops
-at each fork): a server with a thread of a package's making is no safe process to fork
-workers from. It then writes that
-package's name in the file ``<orders>.left-out`` and exits before it serves a fork;
-the parent reads that file when its fork request fails, and starts a server without
-the package (``warm_server._WarmServer``).
+(``/proc/self/task``: its main thread, and the pool of NumPy's OpenBLAS, which stops at
+each fork; a new one is looked at again after a throwaway fork, as a library's OpenBLAS
+stops its pool then): a server with a thread of a package's making is no safe process
+to fork workers from. It then writes that package's name in the file
+``<orders>.left-out`` and exits before it serves a fork; the parent reads that file
+when its fork request fails, and starts a server without the package
+(``warm_server._WarmServer``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,15 @@ _BASELINE = _threads()
 
 
 def new_threads() -> bool:
-    """Whether a thread runs here that did not when this module was imported."""
+    """Whether a thread runs here that did not when this module was imported, as a fork
+    would find it: if one does, a throwaway fork first, which stops the pools of the
+    libraries that stop theirs at a fork (SciPy's own OpenBLAS starts one at import)."""
+    if not _threads() - _BASELINE:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
     return bool(_threads() - _BASELINE)
 
 
