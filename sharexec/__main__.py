@@ -12,7 +12,10 @@ doctor
     Report the platform, the shared-memory folder and its free space, invalid or unknown
     ``SHAREXEC_*`` variables, the start methods and any stale segments (the facts come
     from ``_doctor``); ``--clean`` removes those, and names each segment it keeps that
-    it cannot judge (another PID namespace's), with the reason.
+    it cannot judge (another PID namespace's), with the reason. ``--imports PACKAGE ...``
+    imports those packages, makes a pool and says which of them its workers find imported
+    (the warm server imports a program's packages; it leaves out one whose import
+    starts a thread).
 
 ``--version`` prints sharexec's version. A mistake of the user's (a bad size, a bad
 variable) is one line on stderr and exit code 2, never a traceback.
@@ -89,11 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="remove segments left by processes surely dead; keep (and name) the rest",
     )
+    doctor.add_argument(
+        "--imports",
+        nargs="+",
+        default=[],
+        metavar="PACKAGE",
+        help="import these, make a pool, and say which its workers find imported",
+    )
     return parser
 
 
-def _doctor(clean: bool) -> int:
-    from ._doctor import examine, remove_stale
+def _doctor(clean: bool, imports: list[str]) -> int:
+    from ._doctor import examine, preload_findings, remove_stale
 
     if clean:
         found = remove_stale()
@@ -102,6 +112,8 @@ def _doctor(clean: bool) -> int:
         for name, _, why in found.kept:
             print(f"kept {name}: {why}")
     findings = examine()
+    if imports:
+        findings.extend(preload_findings(imports))
     width = max(len(f.topic) for f in findings)
     for f in findings:
         mark = {"ok": "ok", "warning": "WARNING", "error": "ERROR"}[f.status]
@@ -143,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return _demo(args.size_mb)
     if args.command == "doctor":
-        return _doctor(args.clean)
+        return _doctor(args.clean, args.imports)
     parser.print_help()
     return 0
 

@@ -318,3 +318,54 @@ def examine() -> list[Finding]:
             )
         )
     return findings
+
+
+def preload_findings(packages: list[str]) -> list[Finding]:
+    """Which of ``packages`` the workers of the default start method find imported.
+
+    Imports them here, as a program would before making its pool, then makes one and
+    asks a worker. A package the warm server leaves out (its import starts a thread:
+    workers must be forks of a process with one thread) is imported by each worker when
+    a task needs it; so is one that fails to import in the server.
+    """
+    import importlib
+
+    from ._executor import SharedProcessPoolExecutor
+    from ._loky import warm_left_out
+
+    findings = []
+    imported = []
+    for name in packages:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the user's package: anything it raises is a finding
+            findings.append(Finding("preload", f"{name}: cannot import it here: {exc}", "error"))
+        else:
+            imported.append(name)
+    if not imported:
+        return findings
+    with SharedProcessPoolExecutor(1) as ex:
+        present = set(ex.submit(_imported, imported).result())
+    left_out = warm_left_out()
+    for name in imported:
+        if name in present:
+            findings.append(Finding("preload", f"{name}: imported by the warm server", "ok"))
+        elif name in left_out:
+            detail = (
+                f"{name}: left out of the warm server (its import starts a thread); "
+                "each worker imports it when a task needs it"
+            )
+            findings.append(Finding("preload", detail, "warning"))
+        else:
+            detail = (
+                f"{name}: not imported by the warm server (it failed there, or it is not "
+                "a top-level package outside the standard library); each worker imports "
+                "it when a task needs it"
+            )
+            findings.append(Finding("preload", detail, "warning"))
+    return findings
+
+
+def _imported(names: list[str]) -> list[str]:
+    """In a worker: which of ``names`` are imported already."""
+    return [name for name in names if name in sys.modules]

@@ -9,6 +9,7 @@ are forks of sharexec's own server (single-threaded, NumPy imported), the user's
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -269,3 +270,151 @@ def test_a_script_without_a_main_guard_runs_once_under_the_default(tmp_path: Pat
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["main ran", "worker True"]
     assert out.stdout.count("main ran") == 1
+
+
+# ---------------------------------------------------------------------------------------
+# The default: the warm server imports the parent's packages
+# ---------------------------------------------------------------------------------------
+
+# Packages of a program's own, in a folder on its PYTHONPATH: each notes the pid of every
+# process that imports it in a file of that folder.
+PACKAGES = {
+    # an ordinary package, with a submodule
+    "warmpkg/__init__.py": "import os; NOTE('warmpkg')\nfrom . import sub",
+    "warmpkg/sub.py": "VALUE = 7",
+    # starts a thread at import
+    "threadpkg.py": (
+        "import threading; NOTE('threadpkg')\n"
+        "threading.Thread(target=threading.Event().wait, daemon=True).start()"
+    ),
+    # fails in the server only (it imports sharexec's preloader), loudly
+    "failpkg.py": (
+        "import sys, os; NOTE('failpkg')\n"
+        "if 'sharexec._loky.warm_preload' in sys.modules:\n"
+        "    print('failpkg says', flush=True); os.write(2, b'failpkg errs')\n"
+        "    raise RuntimeError('failpkg')"
+    ),
+    # makes a pool at its import, in the server only
+    "poolpkg.py": (
+        "import sys; NOTE('poolpkg')\n"
+        "if 'sharexec._loky.warm_preload' in sys.modules:\n"
+        "    import sharexec; sharexec.SharedProcessPoolExecutor(1).submit(abs, 1).result()"
+    ),
+}
+
+PROGRAM = """
+import json, logging, os, sys, threading
+logging.basicConfig(level=logging.DEBUG, format="LOG %(message)s", stream=sys.stdout)
+import numpy, sharexec
+from sharexec import _loky
+{imports}
+def modules(names):
+    return os.getpid(), os.getppid(), [n for n in names if n in sys.modules]
+if __name__ == "__main__":
+    with sharexec.SharedProcessPoolExecutor(2) as ex:
+        names = ("warmpkg", "warmpkg.sub", "threadpkg", "failpkg", "poolpkg", "scipy.linalg")
+        pid, parent, present = ex.submit(modules, names).result()
+        server = _loky.warm_server._warm_server.server._forkserver_pid
+        print(json.dumps({{
+            "present": present, "parent": parent, "server": server, "me": os.getpid(),
+            "server_threads": len(os.listdir(f"/proc/{{server}}/task")),
+            "left_out": sorted(_loky.warm_server._warm_server.left_out),
+        }}))
+"""
+
+
+def with_packages(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """The packages above in a folder: the environment that finds them, and the folder
+    of their notes."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for name, code in PACKAGES.items():
+        path = tmp_path / "lib" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        note = (
+            f"import os as _os\nNOTES = {str(notes)!r}\n"
+            "def NOTE(n): open(_os.path.join(NOTES, f'{n}-{_os.getpid()}'), 'w').close()\n"
+        )
+        path.write_text(note + code + "\n")
+    path = [str(tmp_path / "lib"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path)), notes
+
+
+def run_program(
+    tmp_path: Path, imports: str
+) -> tuple[dict[str, object], str, dict[str, list[int]]]:
+    """Run a program importing ``imports`` (after NumPy and sharexec), with the packages
+    above on its path; its report, its whole output, and who imported each package."""
+    env, notes = with_packages(tmp_path)
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM.format(imports=imports))
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    importers: dict[str, list[int]] = {}
+    for note in os.listdir(notes):
+        name, pid = note.rsplit("-", 1)
+        importers.setdefault(name, []).append(int(pid))
+    return report, out.stdout + out.stderr, importers
+
+
+def test_a_worker_starts_with_the_parents_packages_imported_by_the_server(tmp_path: Path):
+    report, _, importers = run_program(tmp_path, "import warmpkg")
+    assert report["present"] == ["warmpkg", "warmpkg.sub"]
+    assert report["parent"] == report["server"]
+    # imported by the program and once by the server, for every worker
+    assert sorted(importers["warmpkg"]) == sorted([report["me"], report["server"]])
+    assert report["server_threads"] == 1 and report["left_out"] == []
+
+
+def test_a_package_whose_import_starts_a_thread_is_left_out_and_said(tmp_path: Path):
+    report, output, importers = run_program(tmp_path, "import threadpkg, warmpkg")
+    assert report["left_out"] == ["threadpkg"]
+    assert report["present"] == ["warmpkg", "warmpkg.sub"]  # the others still are
+    assert report["server_threads"] == 1
+    assert "does not preload 'threadpkg': its import starts a thread" in output
+    # the first server imported it and exited; the one that serves did not import it
+    assert report["server"] not in importers["threadpkg"]
+    assert len(importers["threadpkg"]) == 2
+
+
+def test_a_package_whose_blas_pool_stops_at_a_fork_is_preloaded(tmp_path: Path):
+    # SciPy's own OpenBLAS starts a thread pool at import, and stops it at each fork.
+    pytest.importorskip("scipy.linalg")
+    report, _, _ = run_program(tmp_path, "import scipy.linalg")
+    assert report["present"] == ["scipy.linalg"]
+    assert report["left_out"] == [] and report["server_threads"] == 1
+
+
+def test_a_package_failing_in_the_server_is_skipped_silently(tmp_path: Path):
+    report, output, importers = run_program(tmp_path, "import failpkg, poolpkg, warmpkg")
+    assert report["present"] == ["warmpkg", "warmpkg.sub"]  # the others still are
+    assert report["left_out"] == []
+    assert "failpkg says" not in output and "failpkg errs" not in output
+    assert "Traceback" not in output
+    # tried by the server, whose pool was refused: no second server imported it
+    assert sorted(importers["poolpkg"]) == sorted([report["me"], report["server"]])
+    assert sorted(importers["failpkg"]) == sorted([report["me"], report["server"]])
+
+
+def test_the_doctor_says_which_packages_the_workers_find_imported(tmp_path: Path):
+    env, _ = with_packages(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "sharexec", "doctor", "--imports", "threadpkg", "warmpkg"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    lines = [line.split(None, 2) for line in out.stdout.splitlines() if line.startswith("preload")]
+    assert lines == [
+        [
+            "preload",
+            "WARNING",
+            "threadpkg: left out of the warm server (its import starts a "
+            "thread); each worker imports it when a task needs it",
+        ],
+        ["preload", "ok", "warmpkg: imported by the warm server"],
+    ], out.stdout + out.stderr

@@ -12,6 +12,7 @@ each opening with what it replaces in loky 3.7 and how it differs:
 * ``batching``: loky's manager thread made to send several calls in one message;
 * ``queues``: the call and result queues, and what a worker sends on them;
 * ``warm_server``: sharexec's default start method;
+* ``warm_preload``: in the warm server only, importing the parent's packages;
 * ``reducers``: the reducer tables of loky and multiprocessing;
 * ``leak_check``: loky's worker leak check, measuring private memory;
 * ``futures``: the future, and the remote traceback.
@@ -42,8 +43,9 @@ In detail:
   :class:`AlreadyDone`, and the feeder thread drops it.
 * :func:`warm_context`, sharexec's default start method: multiprocessing's forkserver
   with a server of sharexec's own (a second ``ForkServer``, preloading
-  :data:`WARM_PRELOAD`), whose ``Popen`` asks that server for the fork and tells the
-  child nothing of the main module.
+  :data:`WARM_PRELOAD` and the parent's packages, through ``warm_preload``), whose
+  ``Popen`` asks that server for the fork and tells the child nothing of the main
+  module; :func:`warm_left_out`: the packages it leaves out.
 * The queues, subclasses of loky's (``_CallQueue``, ``_ResultQueue``): loky
   pickles every item it puts on a queue with a fresh cloudpickle pickler, whose set-up
   (a copied dispatch table) costs about 15 µs, more than the rest of a tiny task's trip
@@ -108,7 +110,7 @@ from .futures import LokyFuture, PoolFuture, remote_traceback  # noqa: E402
 from .leak_check import count_private_memory_only  # noqa: E402
 from .queues import note_run_seconds, send_outcome  # noqa: E402
 from .reducers import DISPATCH_TABLE, FORKING_REDUCERS, Reducers  # noqa: E402
-from .warm_server import WARM_PRELOAD, warm_context  # noqa: E402
+from .warm_server import WARM_PRELOAD, warm_context, warm_left_out  # noqa: E402
 
 __all__ = [
     "DISPATCH_TABLE",
@@ -130,4 +132,5 @@ __all__ = [
     "remote_traceback",
     "send_outcome",
     "warm_context",
+    "warm_left_out",
 ]

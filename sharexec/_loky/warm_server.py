@@ -7,15 +7,19 @@ fork, sends the parent's state of the moment (environment, working directory, um
 ignored signals, signal mask) to be applied in the child first, and tells the child
 nothing of the main module. A server found dead is started again by the next fork
 request. Differs from multiprocessing's forkserver: a server of its own (a user's
-``set_forkserver_preload`` is not touched), NumPy preloaded, the parent's state of now.
+``set_forkserver_preload`` is not touched), NumPy and the parent's packages preloaded
+(not its main module), the parent's state of now.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing import connection as mp_connection
@@ -28,10 +32,50 @@ from multiprocessing import util as mp_util
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+logger = logging.getLogger("sharexec")
+
 # What sharexec's server imports once, so that every worker forked from it starts warm:
 # the worker's side (loky's worker loop, cloudpickle, our queues) and the backward pass,
-# hence NumPy. Names only: this module imports none of them.
+# hence NumPy. Names only: this module imports none of them. Then the parent's
+# packages, through the module below (see there).
 WARM_PRELOAD = ("sharexec._worker", "sharexec._reduction")
+_PRELOADER = "sharexec._loky.warm_preload"
+PRELOAD_PREFIX = _PRELOADER + "."
+
+# In the server, while it imports a package of the parent's: no executor starts there.
+_preloading = False
+
+
+def preloading(now: bool) -> None:
+    """In the warm server: whether it is importing one of the parent's packages."""
+    global _preloading
+    _preloading = now
+
+
+def parent_packages() -> dict[str, list[str]]:
+    """The top-level packages this process imported, in their order, that its workers
+    should find imported, each with its modules imported here (itself first), e.g.
+    ``{"scipy": ["scipy", "scipy.stats", ...]}``: not the standard library's, nor the
+    main module, nor a private name (``_pytest``: what a public package imports), nor
+    a module made at run time (no ``__spec__``), nor sharexec (its parent's side is no
+    worker's business: the server imports :data:`WARM_PRELOAD`)."""
+    packages: dict[str, list[str]] = {}
+    for name, module in list(sys.modules.items()):
+        top = name.partition(".")[0]
+        if (
+            top.startswith("_")
+            or top == "sharexec"
+            or not top.isidentifier()
+            or top in sys.stdlib_module_names
+            or top in sys.builtin_module_names
+            or getattr(module, "__spec__", None) is None
+        ):
+            continue
+        if top == name:
+            packages[top] = [top, *packages.get(top, [])]
+        else:
+            packages.setdefault(top, []).append(name)
+    return {top: modules for top, modules in packages.items() if modules[0] == top}
 
 
 class _WarmServer:
@@ -56,13 +100,24 @@ class _WarmServer:
 
     def __init__(self) -> None:
         self.server = mp_forkserver.ForkServer()
-        self.server.set_forkserver_preload(list(WARM_PRELOAD))
         self.sockets: set[str] = set()  # the socket files of our servers, e.g. {"/tmp/…"}
         self.lock = threading.Lock()  # one request (or start) at a time
+        # The parent's packages the next server imports (see parent_packages), and
+        # those left out because their import starts a thread, e.g. {"dask"}.
+        self.packages: dict[str, list[str]] = {}
+        self.left_out: set[str] = set()
+        # The file of the running server's orders (in multiprocessing's private folder
+        # of this process), e.g. "/tmp/pymp-…/sharexec-warm-…": None, a new server next.
+        self.orders: str | None = None
 
     def start(self) -> None:
-        """Start the server now if it is not running: it imports while we go on."""
+        """Start the server now if it is not running: it imports while we go on (the
+        packages this process has imported now, for a server started from now on)."""
+        if _preloading:
+            raise RuntimeError("no executor starts in sharexec's warm server")
         with self.lock:
+            packages = parent_packages()
+            self.packages = {n: m for n, m in packages.items() if n not in self.left_out}
             self._start()
 
     def fork(self, fds: list[int]) -> tuple[int, int, int]:
@@ -73,31 +128,68 @@ class _WarmServer:
         object from (nothing written yet: a child whose pid never came back reads
         nothing, and exits).
         """
+        if _preloading:
+            raise RuntimeError("no executor starts in sharexec's warm server")
         with self.lock:
-            for last in (False, True):
+            retries = 1  # a server that failed: a new one, once (more if it left one out)
+            while True:
                 used = self._start()
                 try:
                     status, write = self.server.connect_to_new_process(fds)
                 except (ConnectionError, FileNotFoundError, ChildProcessError):
-                    if last:
+                    if self._failed(used):
+                        continue
+                    if not retries:
                         raise
-                    self._forget(used)
+                    retries -= 1
                     continue
                 try:
                     pid: int = mp_forkserver.read_signed(status)
                 except (EOFError, OSError):
                     os.close(status)
                     os.close(write)
-                    if last:
+                    if self._failed(used):
+                        continue
+                    if not retries:
                         raise
-                    self._forget(used)
+                    retries -= 1
                     continue
                 return pid, status, write
-        raise AssertionError("unreachable")
+
+    def _failed(self, pid: int) -> bool:
+        """The server ``pid`` failed a request: forget it; whether it had left a package
+        out (its import starts a thread), so that the next one starts without it."""
+        self._forget(pid)
+        orders, self.orders = self.orders, None
+        if orders is None:
+            return False
+        try:
+            with open(orders + ".left-out") as f:
+                package = f.read()
+            os.unlink(orders + ".left-out")
+        except OSError:
+            return False
+        if package not in self.packages:
+            return False
+        self.left_out.add(package)
+        del self.packages[package]
+        logger.debug(
+            "the warm server does not preload %r: its import starts a thread, and the "
+            "server forks its workers from a process with no thread but its own",
+            package,
+        )
+        return True
 
     def _start(self) -> int:
         """The server's pid, started if it is not running."""
         server: Any = self.server
+        if self.orders is None:  # a new server: its orders (also if it dies and restarts)
+            name = f"sharexec-warm-{os.urandom(6).hex()}"
+            self.orders = os.path.join(mp_util.get_temp_dir(), name)
+            with open(self.orders, "w") as f:
+                json.dump(list(self.packages.values()), f)
+            order = f"{PRELOAD_PREFIX}orders_{self.orders.encode().hex()}"
+            server.set_forkserver_preload([*WARM_PRELOAD, _PRELOADER, order])
         try:
             server.ensure_running()
         except ChildProcessError:  # it exited and someone reaped it (os.wait(), SIGCHLD)
@@ -141,8 +233,8 @@ class _WarmServer:
         # parent's socket files are the parent's to remove.
         alive: int | None = getattr(self.server, "_forkserver_alive_fd", None)
         self.server = mp_forkserver.ForkServer()
-        self.server.set_forkserver_preload(list(WARM_PRELOAD))
         self.sockets = set()
+        self.orders = None
         self.lock = threading.Lock()
         if alive is not None:
             with contextlib.suppress(OSError):
@@ -319,6 +411,12 @@ class _WarmContext(mp_context.ForkServerContext):
 
 
 _warm = _WarmContext()
+
+
+def warm_left_out() -> set[str]:
+    """The parent's packages that the warm server leaves out, their import starting a
+    thread (a copy), e.g. ``{"dask"}``."""
+    return set(_warm_server.left_out)
 
 
 def warm_context() -> mp_context.ForkServerContext:
