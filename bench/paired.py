@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import systems
+from console import compile_sharexec
 from run import W4_MIB, MiB, uptime
 
 
@@ -52,6 +53,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=0.5)
     p.add_argument("--reps", type=int, default=15)
     args = p.parse_args()
+    compile_sharexec()
     print(f"load before: {uptime()}")
     cold = time.perf_counter()
     start_up(systems.Sharexec, True)()

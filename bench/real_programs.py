@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from console import commit, log, uptime
+from console import commit, compile_sharexec, log, uptime
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM_DIR = ROOT / "bench" / "real"
@@ -463,6 +463,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    compile_sharexec()
     started = time.perf_counter()
     started_at = datetime.datetime.now(datetime.UTC)
     record: dict[str, Any] = {

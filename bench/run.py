@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from console import commit, log, uptime
+from console import commit, compile_sharexec, log, uptime
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -596,6 +596,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    compile_sharexec()
     import measure
 
     started = time.perf_counter()

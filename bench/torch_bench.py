@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from console import commit, log, uptime
+from console import commit, compile_sharexec, log, uptime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -255,6 +255,7 @@ def table(record: dict[str, Any], kind: str) -> str:
 
 
 def main() -> None:
+    compile_sharexec()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--scale", type=float, default=1.0)
