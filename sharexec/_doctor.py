@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -276,7 +275,7 @@ def examine() -> list[Finding]:
     except ConfigError:  # reported above; the defaults stand for the rest
         options = Options()
         source = " (the default: a variable is invalid, see above)"
-    spill = options.temp_folder or tempfile.gettempdir()
+    spill = options.spill_folder()
     findings.append(
         Finding(
             "fallback folder",
