@@ -1,9 +1,9 @@
 """``python -m sharexec doctor``: what this machine offers sharexec, and what is wrong.
 
-Collects facts (platform, versions, the shared-memory folder and its free space, the
-fallback folder, ``SHAREXEC_*`` variables that are invalid or unknown, start methods,
-stale segments left by dead processes) as :class:`Finding` records; only the command
-line prints them.
+Collects facts (platform, versions, the shared-memory folder and its free space, which
+kind of segment is in use and why, the fallback folder, ``SHAREXEC_*`` variables that are
+invalid or unknown, start methods, stale segments left by dead processes) as
+:class:`Finding` records; only the command line prints them.
 
 A segment is *stale* when its creator is surely dead, no process maps it and it has not
 changed for a minute: a segment whose creator died is not enough (a worker's result

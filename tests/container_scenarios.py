@@ -6,6 +6,7 @@ its /dev/shm are gone once it exits. Scenarios:
 
 * ``repeated``: 3 repetitions of 4 calls on a 96 MiB argument (more than /dev/shm
   holds) and a 80 MB shared array a worker fills: what went where, what was copied;
+* ``doctor``: what ``python -m sharexec doctor`` finds there;
 * ``crash parent`` and ``crash worker``: a program of the same work (its victim, a
   child) is SIGKILLed, or one of its workers is; then what is left of it, in /dev/shm
   and held anywhere as anonymous shared memory.
@@ -205,5 +206,9 @@ if __name__ == "__main__":
         victim(sys.argv[3])
     elif scenario == "crash":
         crash(sys.argv[3])
+    elif scenario == "doctor":
+        from sharexec import _doctor
+
+        print("findings", [(f.topic, f.status, f.detail) for f in _doctor.examine()])
     else:
         raise SystemExit(f"no scenario {scenario!r}")

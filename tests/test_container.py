@@ -63,6 +63,25 @@ def test_read_only_root(start_method, root):
     check_repeated(run(start_method, "repeated", root=root))
 
 
+@needs_root
+@pytest.mark.parametrize("root", ["rw", "ro"])
+def test_doctor_says_which_kind_and_why(root):
+    """In a 64 MB /dev/shm: not a warning (what does not fit is anonymous), and the
+    kind named; under a read-only root without /tmp, a warning that says what it costs."""
+    out = run(None, "doctor", root=root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = {topic: (status, detail) for topic, status, detail in printed(out.stdout, "findings")}
+    assert found["shared memory"][0] == "ok"
+    assert "small (Docker's default is 64 MB)" in found["shared memory"][1]
+    assert found["segments"][0] == "ok"
+    assert "larger ones go to anonymous shared memory (memfd)" in found["segments"][1]
+    status, detail = found["fallback folder"]
+    if root == "ro":
+        assert status == "warning" and "is not writable" in detail, detail
+    else:
+        assert status == "ok", detail
+
+
 # ---------------------------------------------------------------------------------------
 # Anonymous segments themselves (no namespace needed)
 # ---------------------------------------------------------------------------------------
