@@ -302,6 +302,31 @@ FAULT_TESTS = [
 ]
 
 
+# What `nox -s container` runs in a 64 MB /dev/shm.
+CONTAINER_TESTS = ["tests/test_transport.py", "tests/test_faults.py", "tests/test_container.py"]
+
+
+@nox.session(default=False)
+def container(session: nox.Session) -> None:
+    """Run the transport and fault tests as in a default container: pytest in a private
+    mount namespace whose /dev/shm is a 64 MB tmpfs (Docker's and Kubernetes' default),
+    where what does not fit goes to anonymous shared memory. Needs root and ``unshare``
+    (fails without: it would test nothing). E.g. ``nox -s container -- -x``.
+    """
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        session.error("nox -s container needs root and unshare (a private mount namespace)")
+    session.install(".[test]")
+    mount = 'mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && exec "$0" "$@"'
+    session.run(
+        *["unshare", "--mount", "--propagation", "private", "sh", "-c", mount],
+        *["python", "-m", "pytest", *CONTAINER_TESTS, *session.posargs],
+        external=True,
+    )
+
+
 @nox.session(default=False)
 def faults(session: nox.Session) -> None:
     """Run the fault suite and print its table; fails unless every count is zero.

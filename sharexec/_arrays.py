@@ -26,7 +26,6 @@ import math
 import operator
 import os
 import sys
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -241,7 +240,7 @@ def _new(
     nbytes = math.prod(shape) * dtype.itemsize
     holder = recycling.take(nbytes, filled)
     if holder is None:
-        spill_to = Options.resolve({}).temp_folder or tempfile.gettempdir()
+        spill_to = Options.resolve({}).spill_folder()
         mapping = _tracking.new_shared(nbytes, spill_to)
         if os.path.isabs(mapping.name):
             _tracking.warn_fallback(
@@ -694,7 +693,7 @@ def share(a: object) -> object:
     if _is_tensor(a):
         from . import _tensors
 
-        return _tensors.share(a, Options.resolve({}).temp_folder or tempfile.gettempdir())
+        return _tensors.share(a, Options.resolve({}).spill_folder())
     arr = np.asarray(a)
     if is_shared(arr):
         return arr if isinstance(arr, SharedArray) else arr.view(SharedArray)

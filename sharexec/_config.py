@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -54,8 +55,9 @@ class Options:
         Buffers of at least this many bytes travel through shared memory; smaller ones
         are pickled. Environment variable: ``SHAREXEC_MIN_SHARE_BYTES``.
     temp_folder
-        Where file-backed segments go when shared memory is full or missing (a private
-        subfolder is made in it); default: the system's temporary folder.
+        Where file-backed segments go when shared memory is full or missing and
+        anonymous shared memory cannot be had (a private subfolder is made in it);
+        default: the system's temporary folder (:meth:`spill_folder`).
         Environment variable: ``SHAREXEC_TEMP_FOLDER``.
     batching
         Whether queued calls of functions measured short may travel to a worker several
@@ -73,6 +75,18 @@ class Options:
     temp_folder: str | None = None
     batching: bool = True
     tensor_sharing: str = "sharexec"
+
+    def spill_folder(self) -> str:
+        """Where file-backed segments go: ``temp_folder``, else the system's temporary
+        folder; where the system has none that is writable (a read-only root file
+        system), the first it would look at, in which creating a segment fails and the
+        buffer is pickled instead."""
+        if self.temp_folder:
+            return self.temp_folder
+        try:
+            return tempfile.gettempdir()
+        except OSError:  # no writable candidate: tempfile looked at each (and will again)
+            return os.environ.get("TMPDIR") or "/tmp"
 
     @classmethod
     def resolve(

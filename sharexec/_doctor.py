@@ -1,9 +1,9 @@
 """``python -m sharexec doctor``: what this machine offers sharexec, and what is wrong.
 
-Collects facts (platform, versions, the shared-memory folder and its free space, the
-fallback folder, ``SHAREXEC_*`` variables that are invalid or unknown, start methods,
-stale segments left by dead processes) as :class:`Finding` records; only the command
-line prints them.
+Collects facts (platform, versions, the shared-memory folder and its free space, which
+kind of segment is in use and why, the fallback folder, ``SHAREXEC_*`` variables that are
+invalid or unknown, start methods, stale segments left by dead processes) as
+:class:`Finding` records; only the command line prints them.
 
 A segment is *stale* when its creator is surely dead, no process maps it and it has not
 changed for a minute: a segment whose creator died is not enough (a worker's result
@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -41,7 +40,7 @@ __all__ = [
 ]
 
 # Below this, /dev/shm is too small for the arrays sharexec is meant for (Docker's
-# default is 64 MB): segments then spill to disk.
+# default is 64 MB): larger segments are then anonymous, or spill to disk.
 SMALL_SHM_BYTES = 1 << 30
 # A segment unchanged for less than this may be in flight between two processes.
 STALE_AFTER_SECONDS = 60.0
@@ -230,6 +229,42 @@ def variable_findings() -> list[Finding]:
     return findings
 
 
+def _shared_memory() -> list[Finding]:
+    """The shared-memory folder, and which kind of segment this machine gets, and why."""
+    shm = _segments.SHM_FOLDER
+    anonymous = _segments.anonymous_supported()
+    limit = _segments.memory_limit()
+    instead = (
+        f"anonymous shared memory (memfd) instead, which counts against the memory limit "
+        f"({_size(limit)}), not against {shm}; a worker's fresh results go to files"
+        if anonymous
+        else "files on disk instead (no memfd_create, or /proc is not mounted)"
+    )
+    if not os.path.isdir(shm):
+        return [
+            Finding(
+                "shared memory",
+                f"{shm} is missing: segments go to {instead}",
+                "warning" if anonymous else "error",
+            )
+        ]
+    usage = shutil.disk_usage(shm)
+    detail = f"{shm}: {_size(usage.free)} free of {_size(usage.total)}"
+    if usage.total >= SMALL_SHM_BYTES:
+        kind = "named, in " + shm
+        if anonymous:
+            kind += "; anonymous (memfd) for a segment that does not fit there"
+        return [Finding("shared memory", detail, "ok"), Finding("segments", kind, "ok")]
+    small = f"{detail}: small (Docker's default is 64 MB)"
+    kind = f"named, in {shm}, while they fit; larger ones go to {instead}"
+    if anonymous:
+        return [Finding("shared memory", small, "ok"), Finding("segments", kind, "ok")]
+    return [
+        Finding("shared memory", f"{small}. In Docker, run with --shm-size=8g", "warning"),
+        Finding("segments", kind, "warning"),
+    ]
+
+
 def examine() -> list[Finding]:
     """Look at this machine the way sharexec will use it."""
     import cloudpickle
@@ -250,25 +285,7 @@ def examine() -> list[Finding]:
     ]
     if not sys.platform.startswith("linux"):
         findings.append(Finding("platform", "sharexec is tested on Linux only", "warning"))
-    shm = _segments.SHM_FOLDER
-    if os.path.isdir(shm):
-        usage = shutil.disk_usage(shm)
-        detail = f"{shm}: {_size(usage.free)} free of {_size(usage.total)}"
-        if usage.total < SMALL_SHM_BYTES:
-            findings.append(
-                Finding(
-                    "shared memory",
-                    f"{detail}: small (Docker's default is 64 MB); large arrays will spill "
-                    "to disk. In Docker, run with --shm-size=8g (or more)",
-                    "warning",
-                )
-            )
-        else:
-            findings.append(Finding("shared memory", detail, "ok"))
-    else:
-        findings.append(
-            Finding("shared memory", f"{shm} is missing: every segment spills to disk", "error")
-        )
+    findings.extend(_shared_memory())
     findings.extend(variable_findings())
     try:
         options = Options.resolve({})
@@ -276,15 +293,27 @@ def examine() -> list[Finding]:
     except ConfigError:  # reported above; the defaults stand for the rest
         options = Options()
         source = " (the default: a variable is invalid, see above)"
-    spill = options.temp_folder or tempfile.gettempdir()
-    findings.append(
-        Finding(
-            "fallback folder",
-            f"{spill}: {_size(shutil.disk_usage(spill).free)} free "
-            "(set SHAREXEC_TEMP_FOLDER to change it)",
-            "ok",
+    spill = options.spill_folder()
+    if os.access(spill, os.W_OK | os.X_OK):
+        findings.append(
+            Finding(
+                "fallback folder",
+                f"{spill}: {_size(shutil.disk_usage(spill).free)} free "
+                "(set SHAREXEC_TEMP_FOLDER to change it)",
+                "ok",
+            )
         )
-    )
+    else:
+        findings.append(
+            Finding(
+                "fallback folder",
+                f"{spill} is not writable (a read-only root file system?): what finds no "
+                "room in shared memory is pickled instead, and the default start method "
+                "(a fork server, whose socket goes there) cannot start: mount a tmpfs on "
+                "/tmp, set TMPDIR, or pass mp_context='fork' or 'spawn'",
+                "warning",
+            )
+        )
     findings.append(
         Finding("min_share_bytes", f"{options.min_share_bytes:,} bytes{source}", "ok"),
     )

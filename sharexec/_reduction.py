@@ -49,7 +49,6 @@ import logging
 import os
 import pickle
 import sys
-import tempfile
 import threading
 import types
 from collections import ChainMap
@@ -458,7 +457,7 @@ class Sink:
 
     def __init__(self, options: Options) -> None:
         self.options = options
-        self.spill_to = options.temp_folder or tempfile.gettempdir()
+        self.spill_to = options.spill_folder()
 
     def by_reference(self, mapping: Mapping, nbytes: int) -> bool:
         """An array of ``nbytes`` in the shared ``mapping`` travels by reference; whether

@@ -17,9 +17,20 @@ guessed. Where there are no PID namespaces (macOS) the name is ``sharexec-<pid>-
 at most 30 characters with the leading slash, inside macOS's limit of 31;
 :func:`creator` reads both (older versions of sharexec wrote the short form on Linux too).
 
-A name that is an absolute path is a *file-backed* segment instead: a file (mode 0600) in
-a private folder (mode 0700) on disk, the fallback when shared memory is full or missing.
-Every function here takes both kinds.
+A name that starts with ``memfd:`` is an *anonymous* segment instead (Linux): a
+``memfd_create`` file, which no folder holds and whose size counts against the process's
+memory limit, not against ``/dev/shm`` (64 MB by default in a container). Its name is
+``memfd:<descriptor>:<label>``, the label a name as above (its creator and PID namespace,
+72 random bits), also the file's own name in ``/proc``. The creator keeps the descriptor
+open for as long as the segment lives (:func:`unlink` closes it, and so does the kernel at
+its death: nothing is left to sweep); another process of its PID namespace opens it
+through ``/proc/<creator>/fd/<descriptor>`` and checks that the file it got bears the
+label (a descriptor number is reused once closed). A forked child closes the descriptors
+it inherited (it would keep their memory alive); its mappings stay.
+
+A name that is an absolute path is a *file-backed* segment: a file (mode 0600) in a
+private folder (mode 0700) on disk, the last fallback. Every function here takes the
+three kinds.
 """
 
 from __future__ import annotations
@@ -43,15 +54,20 @@ except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
 
 __all__ = [
+    "ANONYMOUS",
     "OUT_OF_DESCRIPTORS",
     "PREFIX",
     "SHM_FOLDER",
     "Mapping",
+    "anonymous",
+    "anonymous_supported",
     "attach",
     "create",
+    "create_anonymous",
     "creator",
     "existing",
     "listdir",
+    "memory_limit",
     "new_folder",
     "new_name",
     "pid_namespace",
@@ -64,6 +80,7 @@ __all__ = [
 
 PREFIX = "sharexec-"
 SHM_FOLDER = "/dev/shm"
+ANONYMOUS = "memfd:"
 
 
 class Mapping(mmap.mmap):
@@ -230,12 +247,145 @@ def _map_fixed(mapping: Mapping, address: int, size: int, prot: int, flags: int,
 def _open(name: str, flags: int) -> int:
     if os.path.isabs(name):
         return os.open(name, flags | os.O_CLOEXEC, 0o600)
+    if name.startswith(ANONYMOUS):
+        return _open_anonymous(name, flags)
     _check_platform()
     return int(_posixshmem.shm_open("/" + name, flags, 0o600))
 
 
 def _where(name: str) -> str:
+    if name.startswith(ANONYMOUS):
+        return "anonymous shared memory"
     return os.path.dirname(name) if os.path.isabs(name) else SHM_FOLDER
+
+
+def anonymous(name: str) -> bool:
+    """Whether ``name`` is an anonymous (``memfd_create``) segment's."""
+    return name.startswith(ANONYMOUS)
+
+
+def anonymous_supported() -> bool:
+    """Whether this system makes anonymous segments that others can open: Linux 3.17
+    and later, with ``/proc`` mounted (tried once per process: about 20 us)."""
+    global _anonymous_supported
+    if _anonymous_supported is None:
+        _anonymous_supported = _try_anonymous()
+    return _anonymous_supported
+
+
+_anonymous_supported: bool | None = None
+
+
+def _try_anonymous() -> bool:
+    if not hasattr(os, "memfd_create"):  # pragma: no cover - not Linux
+        return False
+    try:
+        fd = os.memfd_create(f"{PREFIX}probe", os.MFD_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def memory_limit() -> int:
+    """The memory this process may use, which anonymous segments count against: the
+    machine's, or its memory cgroup's limit where smaller (a container's: cgroup v2's
+    ``memory.max``, v1's ``memory.limit_in_bytes``); 0 if unknown."""
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # pragma: no cover - not POSIX
+        return 0
+    cgroup = ""
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as lines:
+        cgroup = next((line[3:].strip() for line in lines if line.startswith("0::")), "")
+    for path in (
+        f"/sys/fs/cgroup{cgroup.rstrip('/')}/memory.max",
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ):
+        with contextlib.suppress(OSError, ValueError), open(path) as file:
+            limit = min(limit, int(file.read()))  # "max" (no limit): ValueError
+    return limit
+
+
+def _split_anonymous(name: str) -> tuple[int, int, int | None, str]:
+    """The descriptor, creator's pid and PID namespace, and label of an anonymous
+    segment's name (:class:`SegmentError` if it is none)."""
+    descriptor, _, label = name[len(ANONYMOUS) :].partition(":")
+    made = creator(label)
+    if not descriptor.isdigit() or made is None:
+        raise SegmentError(errno.EINVAL, f"not a segment name: {name!r}")
+    return int(descriptor), made[0], made[1], label
+
+
+# The anonymous segments this process made and keeps open, by descriptor, e.g.
+# {7: "memfd:7:sharexec-41-4026531836.Zm9vYmFy"}: what unlink may close, and what a
+# forked child closes.
+_anonymous: dict[int, str] = {}
+
+
+def _open_anonymous(name: str, flags: int) -> int:
+    """Open the anonymous segment ``name`` anew, through its creator's descriptor."""
+    descriptor, pid, namespace, label = _split_anonymous(name)
+    if namespace is not None and pid_namespace() not in (None, namespace):
+        raise SegmentError(
+            errno.ENOENT, f"segment {name!r} was made in another PID namespace: unreachable"
+        )
+    # flags carry no O_CREAT here: opening the creator's file never makes one.
+    fd = os.open(f"/proc/{pid}/fd/{descriptor}", flags | os.O_CLOEXEC)
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}") != f"/memfd:{label} (deleted)":
+            raise FileNotFoundError(errno.ENOENT, "the descriptor holds another file now")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _memfd_create(label: str) -> int:
+    """A new memfd; out of descriptors, the soft limit is raised toward the hard one once."""
+    try:
+        return os.memfd_create(label, os.MFD_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.EMFILE or not _raise_open_files_limit():
+            raise
+    return os.memfd_create(label, os.MFD_CLOEXEC)
+
+
+def _raise_open_files_limit() -> bool:
+    """Raise this process's soft limit of open files toward its hard limit (doubled, at
+    least 1,024 more); False if it is at the hard limit already."""
+    import resource  # POSIX only; needed only here
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return False
+    new = max(2 * soft, soft + 1024)
+    if hard != resource.RLIM_INFINITY:
+        new = min(new, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (OSError, ValueError):  # pragma: no cover - refused
+        return False
+    return True
+
+
+def _close_inherited() -> None:
+    """In a forked child: close the anonymous segments' descriptors of the parent (its
+    mappings of them stay); holding them would keep their memory after the parent frees
+    them. Not the parent's to track either."""
+    for fd in list(_anonymous):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _anonymous.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
 
 
 # What a new segment is given to hold before it is mapped: called with ``write(offset,
@@ -256,33 +406,78 @@ def create(size: int, name: str, content: Content | None = None) -> Mapping:
     content is written through the mapping.
     """
     size = max(size, 1)
+    if not os.path.isabs(name):
+        _check_room(size)
     try:
         fd = _open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR)
     except OSError as exc:
         raise _failed(exc, f"cannot create a segment in {_where(name)}") from exc
     try:
-        reserves = hasattr(os, "posix_fallocate")
-        try:
-            if reserves:
-                if content is not None:
-                    content(lambda offset, data: _write(fd, offset, data))
-                os.posix_fallocate(fd, 0, size)
-            else:  # pragma: no cover - macOS reserves nothing; ftruncate is all it has
-                os.ftruncate(fd, size)
-        except OSError as exc:
-            raise _failed(exc, f"cannot reserve {size:,} bytes in {_where(name)}") from exc
-        try:
-            mapping = _map(fd, name, size, private=False)
-        except OSError as exc:
-            raise _failed(exc, f"cannot map a segment of {size:,} bytes") from exc
-        if content is not None and not reserves:  # pragma: no cover - macOS
-            content(lambda offset, data: _write_mapped(mapping, offset, data))
-        return mapping
+        return _fill(fd, name, size, content)
     except BaseException:
         unlink(name)  # never created, as far as anyone else knows
         raise
     finally:
         os.close(fd)
+
+
+def create_anonymous(size: int, content: Content | None = None) -> Mapping:
+    """Create an anonymous segment of ``size`` bytes and map it shared; the descriptor
+    stays open in this process until :func:`unlink` (the segment's name says which).
+
+    Reserved and filled as :func:`create` does; its space counts against this process's
+    memory limit, whatever the size of the shared-memory folder.
+    """
+    size = max(size, 1)
+    label = new_name()
+    try:
+        fd = _memfd_create(label)
+    except OSError as exc:
+        raise _failed(exc, "cannot create a segment in anonymous shared memory") from exc
+    name = f"{ANONYMOUS}{fd}:{label}"
+    try:
+        mapping = _fill(fd, name, size, content)
+    except BaseException:
+        os.close(fd)
+        raise
+    _anonymous[fd] = name
+    return mapping
+
+
+def _check_room(size: int) -> None:
+    """Fail at once where the shared-memory folder has less than ``size`` bytes free,
+    rather than after writing into it what fits (a statvfs: about 2 us)."""
+    try:
+        stat = os.statvfs(SHM_FOLDER)
+    except OSError:
+        return  # no folder: shm_open says so
+    free = stat.f_bavail * stat.f_frsize
+    if stat.f_blocks and size > free:
+        raise SegmentError(
+            errno.ENOSPC,
+            f"cannot reserve {size:,} bytes in {SHM_FOLDER}: {free:,} bytes free",
+        )
+
+
+def _fill(fd: int, name: str, size: int, content: Content | None) -> Mapping:
+    """Reserve ``size`` bytes of the new segment ``fd``, write ``content``, map it."""
+    reserves = hasattr(os, "posix_fallocate")
+    try:
+        if reserves:
+            if content is not None:
+                content(lambda offset, data: _write(fd, offset, data))
+            os.posix_fallocate(fd, 0, size)
+        else:  # pragma: no cover - macOS reserves nothing; ftruncate is all it has
+            os.ftruncate(fd, size)
+    except OSError as exc:
+        raise _failed(exc, f"cannot reserve {size:,} bytes in {_where(name)}") from exc
+    try:
+        mapping = _map(fd, name, size, private=False)
+    except OSError as exc:
+        raise _failed(exc, f"cannot map a segment of {size:,} bytes") from exc
+    if content is not None and not reserves:  # pragma: no cover - macOS
+        content(lambda offset, data: _write_mapped(mapping, offset, data))
+    return mapping
 
 
 def zero_from(mapping: Mapping, start: int) -> None:
@@ -362,7 +557,14 @@ def attach(name: str, size: int, private: bool, populate: bool = False) -> Mappi
 
 def unlink(name: str) -> None:
     """Remove a segment's name (or an empty fallback folder); its memory is freed once no
-    process maps it."""
+    process maps it. An anonymous segment's name goes with its creator's descriptor:
+    closed here in the creator, nothing to do elsewhere (a dead creator's is closed)."""
+    if name.startswith(ANONYMOUS):
+        descriptor = _split_anonymous(name)[0]
+        if _anonymous.get(descriptor) == name:
+            del _anonymous[descriptor]
+            os.close(descriptor)
+        return
     with contextlib.suppress(FileNotFoundError):
         if not os.path.isabs(name):
             _posixshmem.shm_unlink("/" + name)
@@ -394,13 +596,25 @@ def existing(names: list[str]) -> set[str]:
     """Which of these segments still have their name: a look at each (2 us, whatever the
     folder holds), or at the whole folder when they are many (a listdir grows with the
     folder: 15 us at 100 files)."""
+    found = {n for n in names if n.startswith(ANONYMOUS) and _anonymous_exists(n)}
+    names = [n for n in names if not n.startswith(ANONYMOUS)]
     if len(names) <= _STATS_PER_LISTDIR:
-        return {n for n in names if os.path.exists(_path(n))}
+        return found | {n for n in names if os.path.exists(_path(n))}
     try:
         present = set(os.listdir(SHM_FOLDER))
     except OSError:  # pragma: no cover - no /dev/shm: then nothing is known to exist
-        return set()
-    return {n for n in names if (os.path.exists(n) if os.path.isabs(n) else n in present)}
+        return found
+    return found | {n for n in names if (os.path.exists(n) if os.path.isabs(n) else n in present)}
+
+
+def _anonymous_exists(name: str) -> bool:
+    """Whether the creator of the anonymous segment ``name`` still holds it open (a
+    readlink of its descriptor: about 3 us)."""
+    try:
+        descriptor, pid, _, label = _split_anonymous(name)
+        return os.readlink(f"/proc/{pid}/fd/{descriptor}") == f"/memfd:{label} (deleted)"
+    except (OSError, SegmentError):
+        return False
 
 
 _STATS_PER_LISTDIR = 8

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from . import _segments
 from ._segments import Mapping
-from ._session import owned, receiver_pid, tell
+from ._session import in_worker, owned, receiver_pid, tell
 from ._sweeper import ADOPT, HAND_OFF, REGISTER, UNREGISTER
 from .errors import SegmentError, SharexecWarning
 
@@ -105,7 +105,8 @@ def _unlink(name: str, owner_pid: int) -> None:
     owned.drop(name)
     if os.getpid() == owner_pid:  # never in a forked child, even if it runs the finalizer
         _segments.unlink(name)
-        tell(UNREGISTER, name)
+        if not _segments.anonymous(name):  # the sweeper never hears of those: see _create
+            tell(UNREGISTER, name)
         logger.debug("unlinked segment %s", name)
 
 
@@ -118,14 +119,26 @@ def _create(size: int, spill_to: str | None, content: _segments.Content | None =
     """A new segment owned by this process.
 
     In shared memory; if that fails (full, too small, missing) and ``spill_to`` is given,
-    file-backed in a private folder inside ``spill_to`` (a name that is a path). Not when
-    this process is out of file descriptors: a file needs one as well.
+    an anonymous segment (Linux, not in a worker), else file-backed in a private folder
+    inside ``spill_to`` (a name that is a path). Not when this process is out of file
+    descriptors: the others need one as well.
+
+    A worker's segments never are anonymous: it hands them to the parent (results,
+    shared arrays it allocated), and an anonymous segment lives only while its creator
+    holds its descriptor, which the worker could not know when to close.
     """
     try:
         return _create_named(_segments.new_name(), size, content)
     except SegmentError as exc:
         if spill_to is None or exc.errno in _segments.OUT_OF_DESCRIPTORS:
             raise
+        if not in_worker() and _segments.anonymous_supported():
+            try:
+                return _own(_segments.create_anonymous(size, content))
+            except SegmentError as anonymous_exc:
+                if anonymous_exc.errno in _segments.OUT_OF_DESCRIPTORS:
+                    raise
+                logger.info("%s", anonymous_exc)
         logger.info("%s; spilling to a file in %s", exc, spill_to)
         folder = owned.spill_folder(spill_to)
         return _create_named(os.path.join(folder, _segments.new_name()), size, content)

@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 
-from . import _segments
+from . import _segments, _session
 from ._config import WARM_BYTES, WARM_IDLE_SECONDS, WARM_SEGMENTS
 from ._segments import Mapping
 
@@ -36,11 +36,15 @@ TRIM_SLACK = 0.05
 
 def pool_limit() -> int:
     """Bytes of warm segments a pool keeps (each executor's, the shared arrays'): a
-    quarter of shared memory, at most ``WARM_BYTES``."""
+    quarter of shared memory, at most ``WARM_BYTES``. Shared memory is the shared-memory
+    folder, or the process's memory limit where its segments may be anonymous (see
+    :func:`_tracking._create`): they do not fill the folder."""
     try:
         total = shutil.disk_usage(_segments.SHM_FOLDER).total
     except OSError:
-        return 0
+        total = 0
+    if not _session.in_worker() and _segments.anonymous_supported():
+        total = max(total, _segments.memory_limit())
     return min(WARM_BYTES, total // 4)
 
 

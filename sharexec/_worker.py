@@ -593,8 +593,9 @@ class KeptMappings:
     as long as the mappings here). While one is kept, the dropping thread watches
     removals from the shared-memory folder (one inotify instance, of which a user may
     have only 128 on some systems), so the memory of a freed array goes at once, not at
-    the next task; the watch is given back once nothing is kept. Without a watch, it
-    looks every ``_UNLINKED_SECONDS``.
+    the next task; the watch is given back once nothing is kept. Without a watch, or
+    while an anonymous segment is kept (its freeing removes no name from the folder),
+    it looks every ``_UNLINKED_SECONDS``.
     """
 
     _UNLINKED_SECONDS = 0.05  # how often to look for removals without a watch
@@ -793,6 +794,8 @@ class KeptMappings:
             wait = self.drop_idle(time.monotonic())
             with self._lock:
                 watch, polling, woken = self._watch, self.polling, self._new_watch
+                if any(_segments.anonymous(name) for name in self._kept):
+                    wait = min(wait, self._UNLINKED_SECONDS)
             if watch is None:
                 woken.wait(min(wait, self._UNLINKED_SECONDS) if polling else wait)
                 woken.clear()

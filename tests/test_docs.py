@@ -153,7 +153,12 @@ def test_the_pool_takes_at_most_a_quarter_of_shared_memory(monkeypatch):
 
     usage = shutil.disk_usage(_warm._segments.SHM_FOLDER)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(total=64_000_000))
+    monkeypatch.setattr(_warm._segments, "anonymous_supported", lambda: False)
     assert _warm.pool_limit() == 16_000_000  # Docker's default /dev/shm: 16 MB
+    # Where segments may be anonymous, the memory they count against (a container's).
+    monkeypatch.setattr(_warm._segments, "anonymous_supported", lambda: True)
+    monkeypatch.setattr(_warm._segments, "memory_limit", lambda: 2_000_000_000)
+    assert _warm.pool_limit() == 500_000_000
 
 
 def test_every_benchmark_figure_comes_from_the_committed_run():

@@ -1,0 +1,187 @@
+"""A default container: a 64 MB /dev/shm, perhaps a read-only root file system.
+
+Large arguments and shared arrays that do not fit in /dev/shm live in anonymous shared
+memory: the calls run as on the host (one copy, pooled, no fallback, no warning), and
+nothing is left in /dev/shm or held by any process afterwards. Each scenario runs as its
+own program in a private mount namespace (``container.py``); the crashes (a SIGKILL of
+the parent or of a worker) are in ``test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+from container import needs_root, printed, run
+
+from sharexec import _segments
+from sharexec.errors import SegmentError
+
+pytestmark = [
+    pytest.mark.timeout(150),
+    pytest.mark.skipif(
+        not _segments.anonymous_supported(), reason="no memfd_create, or /proc is not mounted"
+    ),
+]
+
+# Python's forkserver (and so sharexec's default, forks of a warm server of that kind)
+# binds its socket in a temporary folder: with none writable it cannot start.
+NEEDS_A_TEMP_FOLDER = (None, "forkserver")
+
+
+def check_repeated(out) -> None:
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert printed(out.stdout, "exact") is True
+    assert printed(out.stdout, "kind") == "anonymous"  # 80 MB: more than /dev/shm holds
+    stats = printed(out.stdout, "stats")
+    # One copy of the argument, pooled and served again: as on the host.
+    assert stats == {
+        "fallbacks": 0,
+        "bytes_copied": printed(out.stdout, "nbytes"),
+        "segments_pooled": 1,
+    }, stats
+    assert printed(out.stdout, "warnings") == []
+    assert printed(out.stdout, "left") == []
+    assert printed(out.stdout, "held") == []  # every descriptor closed as its segment went
+
+
+@needs_root
+@pytest.mark.transport  # where the bytes go: the same whatever started the worker
+def test_small_dev_shm_runs_as_on_the_host(start_method):
+    check_repeated(run(start_method, "repeated"))
+
+
+@needs_root
+@pytest.mark.parametrize("root", ["ro+tmp", "ro"])
+def test_read_only_root(start_method, root):
+    """Kubernetes' readOnlyRootFilesystem, with a writable /tmp or none: the same."""
+    if root == "ro" and start_method in NEEDS_A_TEMP_FOLDER:
+        pytest.skip("Python's forkserver needs a writable temporary folder for its socket")
+    check_repeated(run(start_method, "repeated", root=root))
+
+
+@needs_root
+@pytest.mark.parametrize("root", ["rw", "ro"])
+def test_doctor_says_which_kind_and_why(root):
+    """In a 64 MB /dev/shm: not a warning (what does not fit is anonymous), and the
+    kind named; under a read-only root without /tmp, a warning that says what it costs."""
+    out = run(None, "doctor", root=root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = {topic: (status, detail) for topic, status, detail in printed(out.stdout, "findings")}
+    assert found["shared memory"][0] == "ok"
+    assert "small (Docker's default is 64 MB)" in found["shared memory"][1]
+    assert found["segments"][0] == "ok"
+    assert "larger ones go to anonymous shared memory (memfd)" in found["segments"][1]
+    status, detail = found["fallback folder"]
+    if root == "ro":
+        assert status == "warning" and "is not writable" in detail, detail
+    else:
+        assert status == "ok", detail
+
+
+# ---------------------------------------------------------------------------------------
+# Anonymous segments themselves (no namespace needed)
+# ---------------------------------------------------------------------------------------
+
+
+def held(name: str) -> bool:
+    """Whether this process holds the anonymous segment ``name`` open."""
+    label = name.split(":", 2)[2]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == f"/memfd:{label} (deleted)":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_another_process_maps_an_anonymous_segment_by_name():
+    """Reached through /proc/<creator>/fd/<n> by a program that knows only its name; gone
+    once unlinked, for it and for :func:`existing`."""
+    data = memoryview(b"sharexec" * 1000)
+    mapping = _segments.create_anonymous(1 << 20, lambda write: write(0, data))
+    name = mapping.name
+    assert _segments.anonymous(name) and _segments.existing([name]) == {name}
+    code = (
+        "import sys; from sharexec import _segments; "
+        "m = _segments.attach(sys.argv[1], 1 << 20, private=False); "
+        "print(bytes(m[:16]).decode()); m[:4] = b'SHAR'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "sharexecsharexec", done.stderr
+    assert bytes(mapping[:8]) == b"SHARexec"  # written there, seen here
+    _segments.unlink(name)
+    assert not held(name)
+    assert _segments.existing([name]) == set()
+    with pytest.raises(SegmentError):
+        _segments.attach(name, 1 << 20, private=True)
+    assert bytes(mapping[:8]) == b"SHARexec"  # the mapping keeps the memory
+    mapping.close()
+
+
+def test_a_reused_descriptor_is_not_taken_for_a_freed_segment():
+    """A freed segment's descriptor number, taken by another file, never opens that one."""
+    first = _segments.create_anonymous(4096)
+    name = first.name
+    _segments.unlink(name)
+    other = os.memfd_create("not-sharexec")  # the lowest free number: the freed one
+    try:
+        assert name.startswith(f"memfd:{other}:")
+        with pytest.raises(SegmentError) as raised:
+            _segments.attach(name, 4096, private=False)
+        assert raised.value.errno == errno.ENOENT
+        assert _segments.existing([name]) == set()
+    finally:
+        os.close(other)
+        first.close()
+
+
+def test_a_forked_child_holds_no_descriptor_of_its_parent():
+    """A forked child closes the anonymous segments' descriptors it inherited (they would
+    keep the memory after the parent frees it); its mapping of them stays readable."""
+    mapping = _segments.create_anonymous(4096, lambda write: write(0, memoryview(b"kept")))
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            ok = not held(mapping.name) and bytes(mapping[:4]) == b"kept"
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert held(mapping.name)  # the parent's stays
+    finally:
+        _segments.unlink(mapping.name)
+        mapping.close()
+
+
+def test_out_of_descriptors_raises_the_soft_limit():
+    """Each anonymous segment holds a descriptor: at the soft limit, it is raised toward
+    the hard one; at the hard one, creating fails as out of descriptors (which the
+    caller turns into pickling, with one warning)."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 256:
+        pytest.skip(f"the hard limit of open files is {hard}: too low to raise toward")
+    code = """
+import resource
+from sharexec import _segments
+from sharexec.errors import SegmentError
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+made = [_segments.create_anonymous(4096) for _ in range(100)]
+print("raised", resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 64)
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+try:
+    while True:
+        made.append(_segments.create_anonymous(4096))
+except SegmentError as exc:
+    print("errno", exc.errno in _segments.OUT_OF_DESCRIPTORS, len(made) < 128)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["raised", "True", "errno", "True", "True"], done.stderr
