@@ -40,7 +40,7 @@ distributed = pytest.importorskip(
 
 from conftest import drop_warm_arrays, segments_now  # noqa: E402
 
-from sharexec import _cluster, _segments, _session, _worker  # noqa: E402
+from sharexec import _cluster, _kept, _segments, _session  # noqa: E402
 from sharexec.errors import SegmentError  # noqa: E402
 
 dask = pytest.importorskip("dask")
@@ -526,8 +526,8 @@ def mapped_before_reading(a: np.ndarray) -> tuple[int, int, float]:
 
 def kept_in_worker() -> int:
     """In a worker: the mappings it keeps, less those of segments gone (as a task does)."""
-    _worker.kept.drop_unlinked()
-    return len(_worker.kept._kept)
+    _kept.kept.drop_unlinked()
+    return len(_kept.kept._kept)
 
 
 def test_a_worker_reuses_its_mapping_of_a_copy_until_a_task_writes_into_it(ex, client):

@@ -19,7 +19,7 @@ import pytest
 import workers
 
 import sharexec
-from sharexec import _segments, _tracking, _worker
+from sharexec import _kept, _segments, _tracking
 from sharexec._arrays import byte_bounds
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.transport]
@@ -125,9 +125,9 @@ def test_a_view_a_task_kept_never_sees_a_later_task(start_method, no_leaks):
 
 
 @pytest.fixture
-def kept() -> Iterator[_worker.KeptMappings]:
+def kept() -> Iterator[_kept.KeptMappings]:
     """Kept mappings of this test alone, dropped after it; no dropping thread here."""
-    mappings = _worker.KeptMappings(dropping_thread=False)
+    mappings = _kept.KeptMappings(dropping_thread=False)
     yield mappings
     mappings.drop_idle(mappings.last_task + mappings.idle_seconds)
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
 
-from .. import _segments, _tracking, _worker
+from .. import _kept, _segments, _tracking
 from ..errors import SegmentError
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class _HostBytes:
         return self._hold_copy(self.name)
 
     def _hold_copy(self, name: str) -> np.ndarray:
-        holder: np.ndarray = _worker.kept.hold_copy(name, self.size, watch=True)
+        holder: np.ndarray = _kept.kept.hold_copy(name, self.size, watch=True)
         return holder
 
     def _rehome(self) -> None:

@@ -16,7 +16,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .. import _segments, _tracking, _worker
+from .. import _kept, _segments, _tracking
 from .._wire import Failure, Raised
 from .blobs import _HostBytes
 
@@ -98,7 +98,7 @@ def _changes(index: int, before: np.ndarray, after: np.ndarray) -> Change | None
 def _run(payload: bytes, blobs: list[_HostBytes]) -> Outcome:
     """A call, in a Dask worker: its outcome, ``raised`` a ``_wire.Raised`` (the client
     gets a ``_wire.Failure``), with what the call changed of each shared slot."""
-    _worker.kept.drop_unlinked()  # the mappings kept of segments freed since
+    _kept.kept.drop_unlinked()  # the mappings kept of segments freed since
     buffers = [b.private() for b in blobs]
     kept = [b.name for b in blobs if b.name is not None]  # mapped through KeptMappings
     _unpacking.slots = []
@@ -118,7 +118,7 @@ def _run(payload: bytes, blobs: list[_HostBytes]) -> Outcome:
     del fn, args, kwargs
     changes = [_changes(index, before, after) for index, before, after in slots]
     del slots
-    _worker.kept.after_task(kept)  # unwritten and no view left: the next task reuses them
+    _kept.kept.after_task(kept)  # unwritten and no view left: the next task reuses them
     return Outcome(result, raised, [c for c in changes if c is not None])
 
 
