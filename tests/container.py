@@ -59,7 +59,23 @@ def run(
     """Run a scenario of ``container_scenarios.py`` (``args``: its name and argument)
     under the start method in a private mount namespace with a /dev/shm of ``size`` and
     the root file system ``root``."""
-    setup = f"mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && {ROOTS[root]}"
+    setup = ROOTS[root]
+    return in_namespace(SCENARIOS, method, *args, setup=setup, size=size, timeout=timeout, env=env)
+
+
+def in_namespace(
+    script: Path,
+    method: str | None,
+    *args: str,
+    setup: str = "",
+    size: str = "64m",
+    timeout: float = 110,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (its arguments: the start method's id, then ``args``) in a private
+    mount namespace with a /dev/shm of ``size``, after the shell commands ``setup`` (each
+    ending in ``&&``)."""
+    mount = f"mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && {setup}"
     return subprocess.run(
         [
             "unshare",
@@ -68,9 +84,9 @@ def run(
             "private",
             "sh",
             "-c",
-            f'{setup} exec "$0" "$@"',
+            f'{mount} exec "$0" "$@"',
             sys.executable,
-            str(SCENARIOS),
+            str(script),
             method_id(method),
             *args,
         ],

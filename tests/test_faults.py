@@ -530,25 +530,8 @@ def in_small_shm(
     """Run ``script`` in a private mount namespace whose /dev/shm is a small tmpfs."""
     path = tmp_path / "scenario.py"
     path.write_text(PRELUDE + textwrap.dedent(script))
-    setup = f"mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && {extra_mount}"
-    return subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            f'{setup} exec "$0" "$@"',
-            sys.executable,
-            str(path),
-            method_id(method),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env={**os.environ, "SHAREXEC_TEMP_FOLDER": str(spill or tmp_path / "spill")},
-    )
+    spill_env = {"SHAREXEC_TEMP_FOLDER": str(spill or tmp_path / "spill")}
+    return container.in_namespace(path, method, setup=extra_mount, size=size, env=spill_env)
 
 
 def left_in(stdout: str) -> set[str]:
