@@ -210,6 +210,8 @@ def stat_argument(a):
 if __name__ == "__main__":
     os.umask(0)
     warnings.simplefilter("ignore", sharexec.SharexecWarning)
+    # The files of the last fallback: the parent's anonymous segments (memfd) come first
+    _segments._anonymous_supported = False
     spill = os.environ["SHAREXEC_TEMP_FOLDER"]
     # the module API: shared memory cannot hold 8 MB, so the segment is a file
     m = _tracking.new_private(8 << 20, spill_to=spill)
