@@ -2,7 +2,8 @@
 
 Real clients, each checked by value under the default start method and spawn: scipy's
 ``differential_evolution(workers=ex.map)``, ``dask.compute(scheduler=ex)`` on a few hundred
-MB, and the ``wait(FIRST_EXCEPTION)`` / ``as_completed`` pattern with large arrays. scipy
+MB, and the ``wait(FIRST_EXCEPTION)`` / ``as_completed`` pattern with large arrays; and
+SciPy among the packages the warm server preloads for the default start method. scipy
 and dask come from the optional ``clients`` extra (``pip install -e '.[test,clients]'``);
 without them their tests are skipped, and the others still run.
 """
@@ -201,3 +202,19 @@ def test_same_results_as_the_stdlib_executor(mp_context, no_leaks):
     ours = make_and_run(sharexec.SharedProcessPoolExecutor, mp_context, chunks)
     assert ours == stdlib
     assert ours[0] == [chunk_stats(c) for c in chunks]
+
+
+# ---------------------------------------------------------------------------------------
+# The warm server preloads SciPy for the workers of the default start method
+# ---------------------------------------------------------------------------------------
+
+
+def test_scipy_whose_blas_pool_stops_at_a_fork_is_preloaded(tmp_path):
+    # SciPy's own OpenBLAS starts a thread pool at import, and stops it at each fork:
+    # not a thread that makes the warm server unfit to fork from (tests/test_startup.py).
+    pytest.importorskip("scipy.linalg")
+    from test_startup import run_program
+
+    report, _, _ = run_program(tmp_path, "import scipy.linalg")
+    assert report["present"] == ["scipy.linalg"]
+    assert report["left_out"] == [] and report["server_threads"] == 1

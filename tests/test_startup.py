@@ -380,14 +380,6 @@ def test_a_package_whose_import_starts_a_thread_is_left_out_and_said(tmp_path: P
     assert len(importers["threadpkg"]) == 2
 
 
-def test_a_package_whose_blas_pool_stops_at_a_fork_is_preloaded(tmp_path: Path):
-    # SciPy's own OpenBLAS starts a thread pool at import, and stops it at each fork.
-    pytest.importorskip("scipy.linalg")
-    report, _, _ = run_program(tmp_path, "import scipy.linalg")
-    assert report["present"] == ["scipy.linalg"]
-    assert report["left_out"] == [] and report["server_threads"] == 1
-
-
 def test_a_package_failing_in_the_server_is_skipped_silently(tmp_path: Path):
     report, output, importers = run_program(tmp_path, "import failpkg, poolpkg, warmpkg")
     assert report["present"] == ["warmpkg", "warmpkg.sub"]  # the others still are
