@@ -5,8 +5,9 @@ Runs ``bench/run.py`` (this checkout's) with sharexec imported from another chec
 alternation, one process each, ``--rounds`` times: what the machine's load does to one
 round it does to both sides. Each round of each side reports its sharexec time and the
 standard library's (run by the same process), so each row below gives, per workload, the
-median of each side's times and the median over rounds of the ratio new / old of the
-times relative to the stdlib of the same process (1.00: no change; below: faster now).
+median of each side's times, the median over rounds of the ratio new / old (rounds
+paired: 1.00 is no change, below is faster now), and the same ratio with each side's
+time taken relative to the stdlib's of its own process (which adds the stdlib's noise).
 
 Example: ``python bench/versus.py --old /tmp/old --rounds 5 --workloads W1,W2,W3,W4,W5
 --reps 3 --no-memory``.
@@ -64,17 +65,15 @@ def main() -> None:
             sides[side].append(one_run(tree, options))
     print(f"load after:  {uptime()}")
     print(f"\n{args.rounds} rounds, run.py {' '.join(options)}\n")
-    print("| workload | method | old (s) | new (s) | new / old, each vs its stdlib |")
-    print("|---|---|--:|--:|--:|")
+    print("| workload | method | old (s) | new (s) | new / old | the same, each vs its stdlib |")
+    print("|---|---|--:|--:|--:|--:|")
     for key in sides["new"][0]:
-        old = [r[key] for r in sides["old"] if key in r]
-        now = [r[key] for r in sides["new"] if key in r]
-        ratio = statistics.median(
-            (n[0] / n[1]) / (o[0] / o[1]) for o, n in zip(old, now, strict=False)
-        )
+        pairs = [(o[key], n[key]) for o, n in zip(sides["old"], sides["new"], strict=True)]
+        raw = statistics.median(n[0] / o[0] for o, n in pairs)
+        relative = statistics.median((n[0] / n[1]) / (o[0] / o[1]) for o, n in pairs)
         print(
-            f"| {key[0]} | {key[1]} | {statistics.median(o[0] for o in old):.3g} "
-            f"| {statistics.median(n[0] for n in now):.3g} | {ratio:.2f} |"
+            f"| {key[0]} | {key[1]} | {statistics.median(o[0] for o, _ in pairs):.3g} "
+            f"| {statistics.median(n[0] for _, n in pairs):.3g} | {raw:.2f} | {relative:.2f} |"
         )
 
 
