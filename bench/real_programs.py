@@ -15,7 +15,11 @@ Each program runs with:
 - ``stdlib-forkserver`` (``--same-method``; or ``stdlib-spawn``): the standard library
   under a start method that, like sharexec's, does not fork the parent: the ratio
   against it tells how much of the gap to the default comes from what a forked worker
-  inherits (the parent's imports, its compiled code).
+  inherits (the parent's imports, its compiled code);
+- ``sharexec-fork`` (``--sharexec-fork``, on by default): sharexec under fork, like the
+  stdlib's default: the ratio of the two forks is what sharexec itself adds to a program
+  (its import, its helper processes, its pool's start and shutdown, the calls' trip),
+  the start method set aside.
 
 The time of a run is the wall time of its whole process, from its launch to its exit, as
 a user waits for it (the interpreter's start, the script's imports, the first pool and
@@ -282,18 +286,21 @@ def summary(record: dict[str, Any]) -> dict[str, Any]:
                 "same_ratio": ratio(walls.get("sharexec"), walls.get(same_method))
                 if same_method
                 else None,
+                "fork_ratio": ratio(walls.get("sharexec-fork"), walls.get("stdlib")),
             }
         )
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
     same = [r["same_ratio"] for r in rows if r["same_ratio"] is not None]
     mains = [r["main_ratio"] for r in rows if r["main_ratio"] is not None]
     pairs = [r["paired"] for r in rows if r["paired"] is not None]
+    forks = [r["fork_ratio"] for r in rows if r["fork_ratio"] is not None]
     return {
         "rows": rows,
         "geomean": geomean(ratios),
         "geomean_paired": geomean(pairs),
         "geomean_same": geomean(same),
         "geomean_main": geomean(mains),
+        "geomean_fork": geomean(forks),
         "slowest": max(ratios) if ratios else None,
     }
 
@@ -323,6 +330,7 @@ def verdict(ok: bool) -> str:
 def programs_table(record: dict[str, Any]) -> str:
     same_method = record["args"]["same_method"]
     default = record["stdlib_default_method"]
+    forks = record["args"].get("sharexec_fork", False)
     s = summary(record)
     head = [
         "program",
@@ -337,6 +345,8 @@ def programs_table(record: dict[str, Any]) -> str:
     if same_method:
         method = same_method.removeprefix("stdlib-")
         head += [f"stdlib, {method} (s)", f"sharexec / stdlib {method}"]
+    if forks:
+        head += ["sharexec, fork (s)", f"sharexec fork / stdlib {default}"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "--:|" * (len(head) - 3)]
     for row in s["rows"]:
         entry = row["entry"]
@@ -353,12 +363,19 @@ def programs_table(record: dict[str, Any]) -> str:
             ]
             if same_method:
                 cells += [fmt(row["wall"].get(same_method)), fmt(row["same_ratio"], ".2f", "x")]
+            if forks:
+                cells += [
+                    fmt(row["wall"].get("sharexec-fork")),
+                    fmt(row["fork_ratio"], ".2f", "x"),
+                ]
         lines.append("| " + " | ".join(cells) + " |")
     last = ["**geometric mean**", "", "", "", "", fmt(s["geomean"], ".2f", "x")]
     last += [fmt(s["geomean_paired"], ".2f", "x")]
     last += [fmt(s["geomean_main"], ".2f", "x")]
     if same_method:
         last += ["", fmt(s["geomean_same"], ".2f", "x")]
+    if forks:
+        last += ["", fmt(s["geomean_fork"], ".2f", "x")]
     lines.append("| " + " | ".join(last) + " |")
     return "\n".join(lines) + "\n"
 
@@ -445,6 +462,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["forkserver", "spawn", "none"],
         help="the stdlib's start method of the second column (default forkserver)",
     )
+    p.add_argument(
+        "--sharexec-fork",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run sharexec under fork, the stdlib's default (on)",
+    )
     p.add_argument("--pool-reps", type=int, default=5, help="repetitions of the pools (5)")
     p.add_argument("--pools", type=int, default=5, help="pools per process (5)")
     p.add_argument("--no-pools", action="store_true", help="skip the first-pool part")
@@ -476,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     log(f"load before: {record['load_before']}")
     systems = ["stdlib", "sharexec"] + ([args.same_method] if args.same_method else [])
+    systems += ["sharexec-fork"] if args.sharexec_fork else []
     record["programs"] = [run_program(name, systems, args) for name in args.programs]
     if not args.no_pools:
         record["pools"] = run_first_pools(args)

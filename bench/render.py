@@ -398,6 +398,11 @@ def real_summary_block(record: dict[str, Any]) -> str:
             if s["geomean_same"] is not None
             else ""
         )
+        + (
+            f"; sharexec itself under {default}, {s['geomean_fork']:.2f} times"
+            if s.get("geomean_fork") is not None
+            else ""
+        )
         + ".\n"
     )
 

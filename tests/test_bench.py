@@ -68,7 +68,7 @@ def test_the_real_programs_run_with_each_executor_and_are_reported(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-4000:]
     record = json.loads(results.read_text())
-    systems = {"stdlib", "sharexec", "stdlib-forkserver"}
+    systems = {"stdlib", "sharexec", "stdlib-forkserver", "sharexec-fork"}
     assert [p["program"] for p in record["programs"]] == ["compress", "genetic"]
     for program in record["programs"]:
         assert not program["skipped"]
@@ -81,7 +81,13 @@ def test_the_real_programs_run_with_each_executor_and_are_reported(tmp_path):
     assert set(pools) == {"sharexec", "stdlib-fork", "stdlib-forkserver", "stdlib-spawn"}
     assert all(len(reps) == 1 and len(reps[0]) == 2 for reps in pools.values())
     assert record["load_before"] and record["load_after"] and record["versions"]["sharexec"]
-    for line in ("| compress |", "| genetic |", "**geometric mean**", "| first pool of a"):
+    for line in (
+        "| compress |",
+        "| genetic |",
+        "**geometric mean**",
+        "| first pool of a",
+        "fork / stdlib",
+    ):
         assert line in done.stdout, line
 
 

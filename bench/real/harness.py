@@ -12,7 +12,8 @@ start, the script's imports and the first pool count, as for a user running it.
 Executors (:data:`EXECUTORS`): ``stdlib`` is ``concurrent.futures.ProcessPoolExecutor``
 with its defaults (fork on Python 3.11 to 3.13), ``stdlib-forkserver`` and
 ``stdlib-spawn`` the same with that start method, ``sharexec`` is
-``sharexec.SharedProcessPoolExecutor`` with its defaults. sharexec is imported only by
+``sharexec.SharedProcessPoolExecutor`` with its defaults and ``sharexec-fork`` the same
+under fork (``mp_context``). sharexec is imported only by
 the runs that use it, after the script's own imports, as a user's ``import sharexec``
 would be. Imports only the standard library.
 """
@@ -29,15 +30,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-EXECUTORS = ["stdlib", "stdlib-fork", "stdlib-forkserver", "stdlib-spawn", "sharexec"]
+EXECUTORS = [
+    "stdlib",
+    "stdlib-fork",
+    "stdlib-forkserver",
+    "stdlib-spawn",
+    "sharexec",
+    "sharexec-fork",
+]
 
 
 def executor_class(name: str) -> Callable[..., concurrent.futures.Executor]:
     """What a program calls as ``Executor(2)``, for the executor named ``name``."""
-    if name == "sharexec":
+    if name.startswith("sharexec"):
         from sharexec import SharedProcessPoolExecutor
 
-        return SharedProcessPoolExecutor
+        if name == "sharexec":
+            return SharedProcessPoolExecutor
+        context = multiprocessing.get_context(name.removeprefix("sharexec-"))
+        return functools.partial(SharedProcessPoolExecutor, mp_context=context)
     if name == "stdlib":
         return concurrent.futures.ProcessPoolExecutor
     if name.startswith("stdlib-"):
