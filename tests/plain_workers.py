@@ -48,3 +48,20 @@ class Blob:
 
 def blob(n: int) -> Blob:
     return Blob(bytearray(b"x" * n))
+
+
+def collector_state() -> tuple[int, bool]:
+    """In a worker: how many objects its collector leaves alone (frozen), and whether
+    a reference cycle made now is still freed by a collection."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # type: ignore[attr-defined]
+    freed = weakref.ref(node)
+    del node
+    gc.collect()
+    return gc.get_freeze_count(), freed() is None
