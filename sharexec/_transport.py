@@ -47,7 +47,7 @@ from typing import TypeAlias
 import cloudpickle
 import numpy as np
 
-from . import _session, _wire
+from . import _passing, _segments, _session, _wire
 from ._arrays import recycling
 from ._config import Options
 from ._copies import CopyCache, Counts, ResultLoans
@@ -251,6 +251,8 @@ class Transport:
         sweeper (started if need be) and its generation, and the token by which results
         find this transport (see ``_worker.load_call``)."""
         sweeper = _session.sweeper_address()
+        if self._context is None and _segments.anonymous_supported():
+            _passing.listen()  # workers may pass anonymous segments' descriptors back
         if self._context is None or sweeper != self._context_sweeper:
             about = CallContext(self.options, sweeper, self.token)
             self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)
