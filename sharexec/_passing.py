@@ -10,8 +10,8 @@ whoever dies (a socket closed with descriptors unread drops them).
 
 * The parent's side, :class:`_Inbox`: a ``SOCK_SEQPACKET`` socket listening at an
   abstract address named after its pid and PID namespace (:func:`address`: no file, so
-  a read-only root and no ``/tmp`` do not matter), made when its first executor makes
-  its calls' context (:func:`listen`). It has no thread: whoever needs a descriptor
+  a read-only root and no ``/tmp`` do not matter), made with its first executor, before
+  any worker starts (:func:`listen`). It has no thread: whoever needs a descriptor
   (loky's manager thread rebuilding a result, :func:`take`) reads what the workers sent,
   by the segment's label, waiting :data:`WAIT_SECONDS` at most (a worker sends the
   descriptor before the result, so it is there already but for a connection not yet
@@ -224,11 +224,11 @@ def listen() -> bool:
     return _inbox.listen()
 
 
-def take(label: str, wait: float = WAIT_SECONDS) -> int:
+def take(label: str, wait: float | None = None) -> int:
     """The descriptor a worker passed for the segment labelled ``label``: this
     process's now, to close. :class:`SegmentError` if it does not arrive within ``wait``
-    seconds."""
-    return _inbox.take(label, wait)
+    seconds (:data:`WAIT_SECONDS` by default)."""
+    return _inbox.take(label, WAIT_SECONDS if wait is None else wait)
 
 
 def drop(token: int) -> None:

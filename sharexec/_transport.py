@@ -238,6 +238,8 @@ class Transport:
         self.loans = ResultLoans(self.pool)
         self.token = next(_tokens)  # by which results find self.loans (_wire.load_result)
         _wire.register(self.token, self.loans)
+        if _segments.anonymous_supported():  # before any worker starts: its initializer
+            _passing.listen()  # may make anonymous segments, passed back with its results
         self._context: bytes | None = None  # see context()
         self._context_sweeper: tuple[bytes, int] | None = None  # the sweeper it names
 
@@ -251,8 +253,6 @@ class Transport:
         sweeper (started if need be) and its generation, and the token by which results
         find this transport (see ``_worker.load_call``)."""
         sweeper = _session.sweeper_address()
-        if self._context is None and _segments.anonymous_supported():
-            _passing.listen()  # workers may pass anonymous segments' descriptors back
         if self._context is None or sweeper != self._context_sweeper:
             about = CallContext(self.options, sweeper, self.token)
             self._context = pickle.dumps(about, protocol=pickle.HIGHEST_PROTOCOL)

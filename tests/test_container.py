@@ -92,6 +92,7 @@ def test_doctor_says_which_kind_and_why(root):
     assert "small (Docker's default is 64 MB)" in found["shared memory"][1]
     assert found["segments"][0] == "ok"
     assert "larger ones go to anonymous shared memory (memfd)" in found["segments"][1]
+    assert "workers pass theirs to the parent" in found["segments"][1]
     status, detail = found["fallback folder"]
     if root == "ro":
         assert status == "warning" and "is not writable" in detail, detail
@@ -231,14 +232,15 @@ def test_passed_descriptors_are_taken_by_label_and_dropped_with_their_executor()
     """What a worker sends (here: this process, through its own outbox): taken by the
     segment's label under a name of the receiver's; one sent for an executor that
     reads no more results is closed, not kept."""
-    from sharexec import _passing, _tracking
+    from sharexec import _passing, _tracking, _transport
 
+    kept, dropped_token = next(_transport._tokens), next(_transport._tokens)  # no executor's
     assert _passing.listen()
     mapping = _segments.create_anonymous(4096, lambda write: write(0, memoryview(b"sent")))
     label = _segments.anonymous_label(mapping.name)
     fd = _segments.pass_on(mapping.name)
     try:
-        _passing.send(os.getpid(), fd, label, 41)
+        _passing.send(os.getpid(), fd, label, kept)
     finally:
         os.close(fd)
     adopted = _tracking.adopt(mapping.name, 4096)
@@ -248,10 +250,10 @@ def test_passed_descriptors_are_taken_by_label_and_dropped_with_their_executor()
     dropped = _segments.create_anonymous(4096)
     fd = _segments.pass_on(dropped.name)
     try:
-        _passing.send(os.getpid(), fd, _segments.anonymous_label(dropped.name), 42)
+        _passing.send(os.getpid(), fd, _segments.anonymous_label(dropped.name), dropped_token)
     finally:
         os.close(fd)
-    _passing.drop(42)
+    _passing.drop(dropped_token)
     with pytest.raises(SegmentError, match="did not arrive"):
         _passing.take(_segments.anonymous_label(dropped.name), 0.1)
     held = {
