@@ -247,8 +247,9 @@ def small_shm_block(run: Run) -> str:
             "...,small-shm`, as root).\n"
         )
     return (
-        f"Start method {part['method']}, the medians of the run's repetitions; the "
-        f"namespace's /dev/shm is a {part['shm_size'].upper()}B tmpfs.\n\n"
+        f"Start method {part['method']}; each side run {part['rounds']} times, "
+        f"alternating, {part['reps']} repetitions each: the median of the runs' medians. "
+        f"The namespace's /dev/shm is a {part['shm_size'].upper()}B tmpfs.\n\n"
         + small_shm_table(part)
     )
 

@@ -30,9 +30,9 @@ Workloads (sizes in MiB, times ``--scale``):
 - W6: start-up and W1 under spawn, fork, forkserver and each system's default.
 - small-shm: sharexec's W1–W4 with the host's /dev/shm and in a private mount namespace
   whose /dev/shm is a 64 MB tmpfs (a default container's; needs root and ``unshare``),
-  each a run of this script in a child process, in one run: per workload the ratio of
-  the namespace's time to the host's (target: at most 1.2) and the warnings the
-  namespace's run printed (target: none).
+  each a run of this script in a child process, 3 of each, alternating, in one run: per
+  workload the ratio of the namespace's time to the host's (target: at most 1.2) and the
+  warnings the namespace's runs printed (target: none).
 
 Start-up is timed twice: until every worker has answered (``start-up``, ``ready.py``'s
 rendezvous) and until the first call's result (``start-up, first``). Each repetition is a
@@ -404,18 +404,22 @@ WORKLOAD_ORDER = [
 # The small-/dev/shm part: its workloads, and the target of each ratio to the host's.
 SMALL_SHM_WORKLOADS = ["W1", "W2", "W3", "W4"]
 SMALL_SHM_TARGET = 1.2
+SMALL_SHM_ROUNDS = 3  # runs of each side, alternating (host first, then namespace first…)
 
 
 def small_shm(args: argparse.Namespace) -> dict[str, Any]:
-    """sharexec's W1–W4 with the host's /dev/shm, then in a 64 MB one: each side a run of
-    this script in a child (``--one-side``), its rows read from its results file."""
+    """sharexec's W1–W4 with the host's /dev/shm and in a 64 MB one: each side a run of
+    this script in a child (``--one-side``), its rows read from its results file;
+    :data:`SMALL_SHM_ROUNDS` runs of each, alternating, and per workload the median of
+    a side's runs (each the median of its ``--reps``)."""
     import subprocess
     import tempfile
 
-    sides: dict[str, dict[str, float | None]] = {}
+    sides: dict[str, dict[str, list[float]]] = {"host": {}, "namespace": {}}
     warnings: list[str] = []
+    order = [("host", "namespace"), ("namespace", "host")]
     with tempfile.TemporaryDirectory() as tmp:
-        for side in ("host", "namespace"):
+        for side in [s for r in range(SMALL_SHM_ROUNDS) for s in order[r % 2]]:
             out = Path(tmp, f"{side}.json")
             command = [
                 *(sys.executable, __file__),
@@ -427,29 +431,36 @@ def small_shm(args: argparse.Namespace) -> dict[str, Any]:
             ]
             if side == "namespace":
                 command = in_small_shm(command)
-            log(f"small /dev/shm: the {side}'s side")
+            log(f"small /dev/shm: a run of the {side}'s side")
             done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
                 raise RuntimeError(f"the {side}'s side failed:\n{done.stderr[-4000:]}")
             if side == "namespace":
-                warnings = [line for line in done.stderr.splitlines() if "Warning" in line]
-            rows = json.loads(out.read_text())["rows"]
-            sides[side] = {
-                r["workload"]: r["time"]
-                for r in rows
-                if r["workload"] in SMALL_SHM_WORKLOADS
-                and (r["workload"] != "W1" or r["mib"] == W1_MIB)
-            }
+                warnings += [line for line in done.stderr.splitlines() if "Warning" in line]
+            for r in json.loads(out.read_text())["rows"]:
+                if r["workload"] in SMALL_SHM_WORKLOADS and r["time"] is not None:
+                    if r["workload"] != "W1" or r["mib"] == W1_MIB:
+                        sides[side].setdefault(r["workload"], []).append(r["time"])
     table = []
     for workload in SMALL_SHM_WORKLOADS:
-        host, namespace = sides["host"].get(workload), sides["namespace"].get(workload)
+        runs = [sides[side].get(workload) for side in ("host", "namespace")]
+        host, namespace = (statistics.median(t) if t else None for t in runs)
         ratio = namespace / host if host and namespace else None
         table.append(
-            {"workload": workload, "host_s": host, "namespace_s": namespace, "ratio": ratio}
+            {
+                "workload": workload,
+                "host_s": host,
+                "namespace_s": namespace,
+                "ratio": ratio,
+                "host_runs": runs[0],
+                "namespace_runs": runs[1],
+            }
         )
     return {
         "shm_size": "64m",
         "method": args.start_method,
+        "rounds": SMALL_SHM_ROUNDS,
+        "reps": args.reps,
         "target": SMALL_SHM_TARGET,
         "rows": table,
         "warnings": warnings,
