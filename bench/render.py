@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import real_programs  # beside this file
 import torch_bench
-from run import W1_MIB, Row, table
+from run import W1_MIB, Row, small_shm_table, table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "bench-results.json"
@@ -236,6 +236,21 @@ def summary_block(run: Run) -> str:
         "the standard pickler, without the array scan.\n"
         f"- **Pool start-up** costs {startup_text}.\n"
         f"- {shm_text}\n"
+    )
+
+
+def small_shm_block(run: Run) -> str:
+    part = run.record.get("small_shm")
+    if not part:
+        return (
+            "The published run did not measure this part (`bench/run.py --workloads "
+            "...,small-shm`, as root).\n"
+        )
+    return (
+        f"Start method {part['method']}; each side run {part['rounds']} times, "
+        f"alternating, {part['reps']} repetitions each: the median of the runs' medians. "
+        f"The namespace's /dev/shm is a {part['shm_size'].upper()}B tmpfs.\n\n"
+        + small_shm_table(part)
     )
 
 
@@ -448,6 +463,7 @@ BLOCKS: dict[str, tuple[Path, Callable[[Any], str]]] = {
     "results": (RESULTS, results_block),
     "other-methods": (RESULTS, other_methods_block),
     "held": (RESULTS, held_block),
+    "small-shm": (RESULTS, small_shm_block),
     "tiny-tasks": (RESULTS, tiny_tasks_block),
     "torch-summary": (TORCH_RESULTS, torch_summary_block),
     "torch-run": (TORCH_RESULTS, torch_run_block),

@@ -28,6 +28,11 @@ Workloads (sizes in MiB, times ``--scale``):
 - W4: 16 tasks fill a 512 MiB output slice by slice.
 - W5: 10,000 tiny tasks (``--tasks``), by ``submit`` and by ``map``.
 - W6: start-up and W1 under spawn, fork, forkserver and each system's default.
+- small-shm: sharexec's W1–W4 with the host's /dev/shm and in a private mount namespace
+  whose /dev/shm is a 64 MB tmpfs (a default container's; needs root and ``unshare``),
+  each a run of this script in a child process, 3 of each, alternating, in one run: per
+  workload the ratio of the namespace's time to the host's (target: at most 1.2) and the
+  warnings the namespace's runs printed (target: none).
 
 Start-up is timed twice: until every worker has answered (``start-up``, ``ready.py``'s
 rendezvous) and until the first call's result (``start-up, first``). Each repetition is a
@@ -49,6 +54,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -56,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from console import commit, compile_sharexec, log, uptime
+from small_shm import in_small_shm
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -394,6 +401,95 @@ WORKLOAD_ORDER = [
 ]
 
 
+# The small-/dev/shm part: its workloads, and the target of each ratio to the host's.
+SMALL_SHM_WORKLOADS = ["W1", "W2", "W3", "W4"]
+SMALL_SHM_TARGET = 1.2
+SMALL_SHM_ROUNDS = 3  # runs of each side, alternating (host first, then namespace first…)
+
+
+def small_shm(args: argparse.Namespace) -> dict[str, Any]:
+    """sharexec's W1–W4 with the host's /dev/shm and in a 64 MB one: each side a run of
+    this script in a child (``--one-side``), its rows read from its results file;
+    :data:`SMALL_SHM_ROUNDS` runs of each, alternating, and per workload the median of
+    a side's runs (each the median of its ``--reps``)."""
+    import subprocess
+    import tempfile
+
+    sides: dict[str, dict[str, list[float]]] = {"host": {}, "namespace": {}}
+    warnings: list[str] = []
+    order = [("host", "namespace"), ("namespace", "host")]
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in [s for r in range(SMALL_SHM_ROUNDS) for s in order[r % 2]]:
+            out = Path(tmp, f"{side}.json")
+            command = [
+                *(sys.executable, __file__),
+                *("--one-side", "--systems", "sharexec", "--no-memory"),
+                *("--workloads", ",".join(SMALL_SHM_WORKLOADS)),
+                *("--reps", str(args.reps), "--scale", str(args.scale)),
+                *("--start-method", args.start_method),
+                *("--json", str(out)),
+            ]
+            if side == "namespace":
+                command = in_small_shm(command)
+            log(f"small /dev/shm: a run of the {side}'s side")
+            done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+            if done.returncode != 0:
+                raise RuntimeError(f"the {side}'s side failed:\n{done.stderr[-4000:]}")
+            if side == "namespace":
+                warnings += [line for line in done.stderr.splitlines() if "Warning" in line]
+            for r in json.loads(out.read_text())["rows"]:
+                if r["workload"] in SMALL_SHM_WORKLOADS and r["time"] is not None:
+                    if r["workload"] != "W1" or r["mib"] == W1_MIB:
+                        sides[side].setdefault(r["workload"], []).append(r["time"])
+    table = []
+    for workload in SMALL_SHM_WORKLOADS:
+        runs = [sides[side].get(workload) for side in ("host", "namespace")]
+        host, namespace = (statistics.median(t) if t else None for t in runs)
+        ratio = namespace / host if host and namespace else None
+        table.append(
+            {
+                "workload": workload,
+                "host_s": host,
+                "namespace_s": namespace,
+                "ratio": ratio,
+                "host_runs": runs[0],
+                "namespace_runs": runs[1],
+            }
+        )
+    return {
+        "shm_size": "64m",
+        "method": args.start_method,
+        "rounds": SMALL_SHM_ROUNDS,
+        "reps": args.reps,
+        "target": SMALL_SHM_TARGET,
+        "rows": table,
+        "warnings": warnings,
+    }
+
+
+def small_shm_table(part: dict[str, Any]) -> str:
+    """The small-/dev/shm part as a Markdown table, with its verdict."""
+    lines = [
+        "| workload | host's /dev/shm (s) | 64 MB /dev/shm (s) | ratio |",
+        "|---|--:|--:|--:|",
+    ]
+    met = not part["warnings"]
+    for r in part["rows"]:
+        ratio = r["ratio"]
+        met = met and ratio is not None and ratio <= part["target"]
+        lines.append(
+            f"| {r['workload']} | {fmt(r['host_s'])} | {fmt(r['namespace_s'])} "
+            f"| {fmt(ratio, 'x')} |"
+        )
+    warned = len(part["warnings"])
+    lines.append("")
+    lines.append(
+        f"Target: every workload within {part['target']:g}x of the host's time, no warning "
+        f"({warned} printed): {'met' if met else 'missed'}."
+    )
+    return "\n".join(lines) + "\n"
+
+
 def judge(rows: list[Row], scale: float) -> None:
     """Fill in each row's ratio to the stdlib and, for sharexec, its target."""
     stdlib = {
@@ -571,8 +667,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workloads",
         default="W1,W1s,W2,W3,W4,W5,W6,floor",
-        help="comma-separated among W1,W1s,W2,W3,W4,W5,W6,floor",
+        help="comma-separated among W1,W1s,W2,W3,W4,W5,W6,floor,small-shm",
     )
+    # One side of the small-/dev/shm part (a child of the run): no ratios to the stdlib.
+    p.add_argument("--one-side", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--interval", type=float, default=5.0, help="memory sampling period, ms")
     p.add_argument("--no-memory", action="store_true", help="skip the memory repetition")
     p.add_argument("--json", type=Path, help="default: bench/results/<date>.json")
@@ -589,7 +687,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for s in args.systems:
         if s not in SYSTEM_ORDER:
             p.error(f"unknown system {s!r}")
-    if "stdlib" not in args.systems:
+    if "stdlib" not in args.systems and not args.one_side:
         p.error("ratios need the stdlib: keep it in --systems")
     return args
 
@@ -621,7 +719,8 @@ def main(argv: list[str] | None = None) -> None:
         }
         for k, v in floor.items():
             log(f"  floor: {k}: {v:.3g}")
-    methods = [args.start_method]
+    # Only the floor, or the small-/dev/shm part (runs of its own): no system here.
+    methods = [args.start_method] if set(args.workloads) - {"floor", "small-shm"} else []
     if "W6" in args.workloads:
         methods += [m for m in args.methods if m != args.start_method]
     for method in methods:
@@ -632,6 +731,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.systems:
             run_system(runner, inputs, name, method, main_method=method == args.start_method)
     judge(runner.rows, args.scale)
+    small = small_shm(args) if "small-shm" in args.workloads else None
     wall = time.perf_counter() - started
     load_after = uptime()
     leaked = sorted(set(os.listdir(measure.SHM)) - shm_before)
@@ -641,20 +741,27 @@ def main(argv: list[str] | None = None) -> None:
         f"2 workers, start method {args.start_method}, {args.reps} repetitions (medians), "
         f"scale {args.scale:g}; {os.cpu_count()} CPUs; Python {platform.python_version()}.\n"
     )
-    print(table(runner.rows, args.start_method))
-    print(
-        "\nCPU: parent and descendants, user + system. Extra memory: the peak of the PSS "
-        "(less shared pages) of the parent and its descendants, plus the allocated size of "
-        "their /dev/shm files (mapped, or theirs by name), sampled every "
-        f"{args.interval:g} ms in one more repetition, over a reference taken before the "
-        "workload's first repetition (inputs already made): what a system keeps between "
-        "repetitions counts. Held: the same, after that repetition (gc run). joblib is "
-        "run with loky's start method where spawn is asked for.\n"
-    )
+    if runner.rows:
+        print(table(runner.rows, args.start_method))
+        print(
+            "\nCPU: parent and descendants, user + system. Extra memory: the peak of the "
+            "PSS (less shared pages) of the parent and its descendants, plus the allocated "
+            "size of their /dev/shm files (mapped, or theirs by name), sampled every "
+            f"{args.interval:g} ms in one more repetition, over a reference taken before the "
+            "workload's first repetition (inputs already made): what a system keeps between "
+            "repetitions counts. Held: the same, after that repetition (gc run). joblib is "
+            "run with loky's start method where spawn is asked for.\n"
+        )
     if floor:
         print("| floor | |\n|---|--:|")
         for k, v in floor.items():
             print(f"| {k} | {v:.3g} |")
+        print()
+    if small is not None:
+        print("## sharexec in a 64 MB /dev/shm (a default container) against the host's\n")
+        print(small_shm_table(small))
+        for line in small["warnings"]:
+            print(f"warning: {line}")
         print()
     print(f"load before: {load_before}")
     print(f"load after:  {load_after}")
@@ -683,12 +790,13 @@ def main(argv: list[str] | None = None) -> None:
         "load_after": load_after,
         "wall_s": wall,
         "floor": floor,
+        "small_shm": small,
         "leaked_shm": leaked,
         "rows": [asdict(r) | {"time": r.time, "cpu_median": r.cpu_median} for r in runner.rows],
     }
     out.write_text(json.dumps(record, indent=1))
     print(f"JSON: {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
-    if any(r.workload == "W1" and r.time for r in runner.rows):
+    if any(r.workload == "W1" and r.time for r in runner.rows) and not args.one_side:
         plot(runner.rows, args.plot, args.start_method, args.scale)
         shown = args.plot.relative_to(ROOT) if args.plot.is_relative_to(ROOT) else args.plot
         print(f"plot: {shown}")

@@ -58,11 +58,17 @@ def measure() -> None:
     )
 
 
+def in_small_shm(command: list[str], size: str = "64m") -> list[str]:
+    """``command``, to run in a private mount namespace whose /dev/shm is a tmpfs of
+    ``size`` (needs root and ``unshare``)."""
+    mount = f'mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && exec "$0" "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, *command]
+
+
 def run(small: bool) -> dict:
     command = [sys.executable, __file__, "--measure"]
     if small:
-        mount = 'mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && exec "$0" "$@"'
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, *command]
+        command = in_small_shm(command)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     result: dict = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     return result

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from . import _segments
+from . import _passing, _segments
 from ._config import Options, check_variables, describe_unknown, unknown_variables
 from .errors import ConfigError
 
@@ -234,9 +234,14 @@ def _shared_memory() -> list[Finding]:
     shm = _segments.SHM_FOLDER
     anonymous = _segments.anonymous_supported()
     limit = _segments.memory_limit()
+    workers = (
+        "workers pass theirs to the parent (descriptors over a Unix socket)"
+        if anonymous and _passing.listen()
+        else "a worker's fresh results go to files (no abstract Unix socket to pass them)"
+    )
     instead = (
         f"anonymous shared memory (memfd) instead, which counts against the memory limit "
-        f"({_size(limit)}), not against {shm}; a worker's fresh results go to files"
+        f"({_size(limit)}), not against {shm}; {workers}"
         if anonymous
         else "files on disk instead (no memfd_create, or /proc is not mounted)"
     )

@@ -59,7 +59,9 @@ __all__ = [
     "PREFIX",
     "SHM_FOLDER",
     "Mapping",
+    "adopt_anonymous",
     "anonymous",
+    "anonymous_label",
     "anonymous_supported",
     "attach",
     "create",
@@ -70,6 +72,7 @@ __all__ = [
     "memory_limit",
     "new_folder",
     "new_name",
+    "pass_on",
     "pid_namespace",
     "populate",
     "removals",
@@ -339,12 +342,56 @@ def _open_anonymous(name: str, flags: int) -> int:
     # flags carry no O_CREAT here: opening the creator's file never makes one.
     fd = os.open(f"/proc/{pid}/fd/{descriptor}", flags | os.O_CLOEXEC)
     try:
-        if os.readlink(f"/proc/self/fd/{fd}") != f"/memfd:{label} (deleted)":
+        if not _bears(os.readlink(f"/proc/self/fd/{fd}"), label):
             raise FileNotFoundError(errno.ENOENT, "the descriptor holds another file now")
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _bears(target: str, label: str) -> bool:
+    """Whether ``target``, where a descriptor leads, is the anonymous segment ``label``
+    names: its file bears that label, but for the pid (the holder's in ``label``, the
+    creator's in the file's name: the same unless a worker passed it on)."""
+    prefix, suffix = f"/memfd:{PREFIX}", " (deleted)"
+    if not (target.startswith(prefix) and target.endswith(suffix)):
+        return False
+    made = target[len(prefix) : -len(suffix)].partition("-")[2]
+    return bool(made) and made == label[len(PREFIX) :].partition("-")[2]
+
+
+def anonymous_label(name: str) -> str:
+    """The label of the anonymous segment ``name``: the same in every process that
+    holds it (see :func:`adopt_anonymous`)."""
+    return _split_anonymous(name)[3][len(PREFIX) :].partition("-")[2]
+
+
+def pass_on(name: str) -> int:
+    """The descriptor of this process's anonymous segment ``name``, no longer this
+    process's to close at :func:`unlink`: the caller passes it on, then closes it."""
+    descriptor = _split_anonymous(name)[0]
+    if _anonymous.get(descriptor) != name:
+        raise SegmentError(errno.EBADF, f"this process does not hold segment {name!r}")
+    del _anonymous[descriptor]
+    return descriptor
+
+
+def adopt_anonymous(fd: int, name: str, size: int) -> Mapping:
+    """The anonymous segment ``name``, whose descriptor ``fd`` another process passed to
+    this one, mapped shared; this process holds it now, under a name of its own (the
+    same label, this process's pid) until :func:`unlink`. Closes ``fd`` if it fails."""
+    own_label = f"{PREFIX}{os.getpid()}-{anonymous_label(name)}"
+    own = f"{ANONYMOUS}{fd}:{own_label}"
+    try:
+        if not _bears(os.readlink(f"/proc/self/fd/{fd}"), own_label):
+            raise SegmentError(errno.EINVAL, f"the descriptor passed is not segment {name!r}")
+        mapping = _map(fd, own, max(size, 1), private=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    _anonymous[fd] = own
+    return mapping
 
 
 def _memfd_create(label: str) -> int:
@@ -612,7 +659,7 @@ def _anonymous_exists(name: str) -> bool:
     readlink of its descriptor: about 3 us)."""
     try:
         descriptor, pid, _, label = _split_anonymous(name)
-        return os.readlink(f"/proc/{pid}/fd/{descriptor}") == f"/memfd:{label} (deleted)"
+        return _bears(os.readlink(f"/proc/{pid}/fd/{descriptor}"), label)
     except (OSError, SegmentError):
         return False
 

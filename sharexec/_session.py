@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 
-from . import _segments, _sweeper
+from . import _passing, _segments, _sweeper
 from ._sweeper import CLOSED, REGISTER, UNREGISTER, WORKER
 
 __all__ = [
@@ -172,7 +172,9 @@ def _remove_folder(folder: str, owner_pid: int) -> None:
 
 def receiver_closed(token: int) -> None:
     """This process will adopt nothing more handed to it for ``token`` (an executor that
-    reads no more results): the sweeper frees what is in flight for it, now and later."""
+    reads no more results): the sweeper frees what is in flight for it, now and later,
+    and the descriptors passed for it are closed."""
+    _passing.drop(token)
     if _channel.address is not None:  # else no sweeper was ever reached: nothing was sent
         tell(CLOSED, str(token))
 

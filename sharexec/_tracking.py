@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING
 
-from . import _segments
+from . import _passing, _segments
 from ._segments import Mapping
 from ._session import in_worker, owned, receiver_pid, tell
 from ._sweeper import ADOPT, HAND_OFF, REGISTER, UNREGISTER
@@ -119,20 +119,23 @@ def _create(size: int, spill_to: str | None, content: _segments.Content | None =
     """A new segment owned by this process.
 
     In shared memory; if that fails (full, too small, missing) and ``spill_to`` is given,
-    an anonymous segment (Linux, not in a worker), else file-backed in a private folder
-    inside ``spill_to`` (a name that is a path). Not when this process is out of file
+    an anonymous segment (Linux), else file-backed in a private folder inside
+    ``spill_to`` (a name that is a path). Not when this process is out of file
     descriptors: the others need one as well.
 
-    A worker's segments never are anonymous: it hands them to the parent (results,
-    shared arrays it allocated), and an anonymous segment lives only while its creator
-    holds its descriptor, which the worker could not know when to close.
+    A worker makes anonymous segments only if it can pass their descriptors to its
+    parent (:mod:`sharexec._passing`): it hands its results and the shared arrays it
+    returns over, and an anonymous segment lives only while a process holds its
+    descriptor.
     """
     try:
         return _create_named(_segments.new_name(), size, content)
     except SegmentError as exc:
         if spill_to is None or exc.errno in _segments.OUT_OF_DESCRIPTORS:
             raise
-        if not in_worker() and _segments.anonymous_supported():
+        if _segments.anonymous_supported() and (
+            not in_worker() or _passing.can_send(receiver_pid())
+        ):
             try:
                 return _own(_segments.create_anonymous(size, content))
             except SegmentError as anonymous_exc:
@@ -192,10 +195,20 @@ def hand_off(mapping: Mapping, token: int) -> None:
     this worker works for, for its receiver ``token`` (see ``_session.receiver_closed``).
 
     Until that process adopts it (:func:`adopt`), the sweeper holds it in flight to it:
-    freed if it dies, or closes ``token``, first.
+    freed if it dies, or closes ``token``, first. An anonymous segment's descriptor is
+    passed to it instead, and closed here at once: in flight, the kernel holds it.
     """
     owner = mapping.owner
     if isinstance(owner, Segment) and owner.owned:
+        if _segments.anonymous(mapping.name):
+            fd = _segments.pass_on(mapping.name)
+            try:
+                label = _segments.anonymous_label(mapping.name)
+                _passing.send(receiver_pid(), fd, label, token)
+            finally:
+                os.close(fd)
+            owner.hand_off()
+            return
         owner.hand_off()
         tell(HAND_OFF, mapping.name, receiver_pid(), token)
 
@@ -220,8 +233,9 @@ class _Registry:
         # In a thread inside attached_shared, .shared: the mappings it attached, e.g. [].
         self.attaching = threading.local()
 
-    def add(self, mapping: Mapping) -> Mapping:
-        """List a shared mapping, until it is collected."""
+    def add(self, mapping: Mapping, alias: str | None = None) -> Mapping:
+        """List a shared mapping, until it is collected; also by ``alias``, the name its
+        sender knows it by (an anonymous segment passed on is named anew here)."""
         start = mapping.address
         with self.lock:
             if start not in self.by_start:  # starts stay unique, even if a callback is late
@@ -229,6 +243,8 @@ class _Registry:
             ref = weakref.ref(mapping, partial(self._drop, start))
             self.by_start[start] = ref
             self.by_name[mapping.name] = mapping
+            if alias is not None:
+                self.by_name[alias] = mapping
         return mapping
 
     def _drop(self, start: int, ref: weakref.ref[Mapping]) -> None:
@@ -311,10 +327,10 @@ def attach_shared(name: str, size: int, adopt: bool) -> Mapping:
         if adopt and mapping.owner is None:
             _adopted(mapping)  # mapped already: a view this process was sent before
     else:
-        mapping = _segments.attach(name, size, private=False)
+        mapping = _attach(name, size, adopt)
         if adopt:
             _adopted(mapping)
-        mapping = _registry.add(mapping)
+        mapping = _registry.add(mapping, name)
     seen = getattr(_registry.attaching, "shared", None)
     if seen is not None:
         seen.append(mapping)
@@ -370,20 +386,38 @@ def attach_lent(name: str, size: int) -> Mapping:
 
 def forget(name: str) -> None:
     """Unlink a segment handed to this process that it will never map (a failed result)."""
+    if _segments.anonymous(name):
+        with contextlib.suppress(SegmentError):  # never came: nothing to close
+            os.close(_passing.take(_segments.anonymous_label(name), _FORGET_WAIT))
+        return
     _segments.unlink(name)
     tell(UNREGISTER, name)
 
 
+_FORGET_WAIT = 1.0  # seconds: how long a failed result waits for a descriptor to close
+
+
+def _attach(name: str, size: int, handed: bool) -> Mapping:
+    """Map the segment ``name`` shared; ``handed``: another process handed it to this
+    one (an anonymous segment's descriptor was passed, and is taken here)."""
+    if handed and _segments.anonymous(name):
+        fd = _passing.take(_segments.anonymous_label(name))
+        return _segments.adopt_anonymous(fd, name, size)
+    return _segments.attach(name, size, private=False)
+
+
 def adopt(name: str, size: int) -> Mapping:
     """Map a segment another process filled for us alone and handed to us: ours to free."""
-    return _adopted(_segments.attach(name, size, private=False))
+    return _adopted(_attach(name, size, handed=True))
 
 
 def _adopted(mapping: Mapping) -> Mapping:
     """``mapping``'s segment, handed to this process, is its own to free now: the
-    sweeper frees it if this process dies (not when the session ends)."""
+    sweeper frees it if this process dies (not when the session ends; an anonymous
+    segment, held by its descriptor, is the kernel's to free then)."""
     _own(mapping)
-    tell(ADOPT, mapping.name)
+    if not _segments.anonymous(mapping.name):
+        tell(ADOPT, mapping.name)
     return mapping
 
 
@@ -393,8 +427,9 @@ def adopt_private(name: str, size: int) -> Mapping:
     The mapping keeps the memory; no other process can reach it any more, so the result
     it holds has private semantics and cannot leak.
     """
-    mapping = _segments.attach(name, size, private=False)
-    _segments.unlink(name)
-    tell(UNREGISTER, name)
+    mapping = _attach(name, size, handed=True)
+    _segments.unlink(mapping.name)
+    if not _segments.anonymous(name):
+        tell(UNREGISTER, name)
     logger.debug("adopted and unlinked segment %s", name)
     return mapping

@@ -47,7 +47,7 @@ from typing import TypeAlias
 import cloudpickle
 import numpy as np
 
-from . import _session, _wire
+from . import _passing, _segments, _session, _wire
 from ._arrays import recycling
 from ._config import Options
 from ._copies import CopyCache, Counts, ResultLoans
@@ -238,6 +238,8 @@ class Transport:
         self.loans = ResultLoans(self.pool)
         self.token = next(_tokens)  # by which results find self.loans (_wire.load_result)
         _wire.register(self.token, self.loans)
+        if _segments.anonymous_supported():  # before any worker starts: its initializer
+            _passing.listen()  # may make anonymous segments, passed back with its results
         self._context: bytes | None = None  # see context()
         self._context_sweeper: tuple[bytes, int] | None = None  # the sweeper it names
 

@@ -6,10 +6,14 @@ its /dev/shm are gone once it exits. Scenarios:
 
 * ``repeated``: 3 repetitions of 4 calls on a 96 MiB argument (more than /dev/shm
   holds) and a 80 MB shared array a worker fills: what went where, what was copied;
+* ``results``: 8 calls each returning a fresh 64 MiB array and 2 returning an 80 MB
+  shared array of their own (more than /dev/shm holds): where they live, and what the
+  workers still hold;
 * ``doctor``: what ``python -m sharexec doctor`` finds there;
 * ``crash parent`` and ``crash worker``: a program of the same work (its victim, a
-  child) is SIGKILLed, or one of its workers is; then what is left of it, in /dev/shm
-  and held anywhere as anonymous shared memory.
+  child) is SIGKILLed, or one of its workers is, while large results are on their way
+  back; then what is left of it, in /dev/shm and held anywhere as anonymous shared
+  memory (by any process, under the label of the victim or of any of its workers).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from sharexec import _arrays, _segments, _tracking
 METHOD = None if sys.argv[1] == "default" else sys.argv[1]  # None: sharexec's default
 ARGUMENT = 12 << 20  # float64 elements: 96 MiB
 SHARED = 10_000_000  # float64 elements: 80 MB
+RESULT = 8 << 20  # float64 elements: 64 MiB
 
 
 def strided_sum(a: np.ndarray) -> float:
@@ -43,6 +48,39 @@ def fill(out: np.ndarray, value: float) -> None:
 
 def worker_pid() -> int:
     return os.getpid()
+
+
+def make(n: int, value: float) -> np.ndarray:
+    return np.full(n, value)
+
+
+def make_shared(n: int, value: float) -> np.ndarray:
+    out = sharexec.zeros(n)
+    out[...] = value
+    return out
+
+
+def slow_make(n: int, value: float) -> np.ndarray:
+    time.sleep(0.2)
+    return np.full(n, value)
+
+
+def held_by(pid: int) -> list[str]:
+    """The anonymous segments the process ``pid`` holds open."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{_segments.PREFIX}") and "probe" not in target:
+            held.append(target)
+    return held
+
+
+def worker_holds(_: object) -> tuple[int, list[str]]:
+    time.sleep(0.05)  # so that each worker takes one
+    return os.getpid(), held_by(os.getpid())
 
 
 def segment_kind(array: np.ndarray) -> str:
@@ -91,15 +129,38 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 def held_here() -> list[str]:
     """The anonymous segments this process still holds open."""
-    held = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(f"/memfd:{_segments.PREFIX}") and "probe" not in target:
-            held.append(target)
-    return held
+    return held_by(os.getpid())
+
+
+def results() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+            futures = [ex.submit(make, RESULT, float(i)) for i in range(8)]
+            got = [f.result() for f in futures]
+            shared = [ex.submit(make_shared, SHARED, float(i)).result() for i in (1, 2)]
+            exact = all(float(r[0]) == float(r[-1]) == i for i, r in enumerate(got)) and all(
+                float(s[0]) == float(s[-1]) == i for i, s in zip((1, 2), shared, strict=True)
+            )
+            kinds = sorted({segment_kind(s) for s in shared})
+            # Each worker, once every result is the parent's: what it still holds.
+            workers = dict(ex.map(worker_holds, range(8)))
+            stats = ex.statistics()
+            del got, shared, futures
+    gc.collect()
+    _arrays.recycling.clear()
+    gc.collect()
+    print("exact", exact)
+    print("kinds", kinds)
+    print("fallbacks", stats.fallbacks)
+    print("workers", len(workers))
+    print("worker_held", sorted(h for held in workers.values() for h in held))
+    print(
+        "warnings",
+        [str(w.message) for w in caught if issubclass(w.category, sharexec.SharexecWarning)],
+    )
+    print("left", _segments.listdir())
+    print("held", held_here())
 
 
 def repeated() -> None:
@@ -148,8 +209,12 @@ def victim(whom: str) -> None:
     ex = sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD)
     list(ex.map(strided_sum, [a] * 4))  # a copy, pooled; workers map it
     ex.submit(fill, shared[5:10], 3.0).result()
+    kept = ex.submit(make, RESULT, 1.0).result()  # a worker's anonymous segment, passed
     print("kind", repr(segment_kind(shared)))
     print("kin", descendants(os.getpid()), flush=True)
+    # Large results on their way back when the kill comes: made, passed, or in the pipe.
+    in_flight = [ex.submit(slow_make, RESULT, 2.0) for _ in range(4)]
+    in_flight[0].result()  # the others are being made, passed, or in the pipe
     if whom == "parent":
         os.kill(os.getpid(), signal.SIGKILL)
     worker = ex.submit(worker_pid).result()
@@ -160,7 +225,8 @@ def victim(whom: str) -> None:
     except BrokenProcessPool:
         again = True  # the pool may break: what matters is what is left
     ex.shutdown()
-    del a, shared, ex
+    [future.exception() for future in in_flight]  # done, or failed with the pool
+    del a, shared, ex, kept, in_flight
     gc.collect()
     _arrays.recycling.clear()
     gc.collect()
@@ -182,16 +248,16 @@ def crash(whom: str) -> None:
     print("returncode", proc.returncode)
     print("outlived", wait_gone(kin, 30))
     print("left", _segments.listdir())
-    label = f"/memfd:{_segments.PREFIX}{proc.pid}-"
+    labels = tuple(f"/memfd:{_segments.PREFIX}{pid}-" for pid in [proc.pid, *kin])
     holders = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/maps") as maps:
-                    if any(label in line for line in maps):
+                    if any(label in line for line in maps for label in labels):
                         holders.append(int(entry))
                 for fd in os.listdir(f"/proc/{entry}/fd"):
-                    if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(label):
+                    if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(labels):
                         holders.append(int(entry))
             except OSError:
                 continue
@@ -202,6 +268,8 @@ if __name__ == "__main__":
     scenario = sys.argv[2]
     if scenario == "repeated":
         repeated()
+    elif scenario == "results":
+        results()
     elif scenario == "victim":
         victim(sys.argv[3])
     elif scenario == "crash":

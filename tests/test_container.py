@@ -55,6 +55,23 @@ def test_small_dev_shm_runs_as_on_the_host(start_method):
 
 
 @needs_root
+def test_workers_results_are_anonymous_and_left_nowhere(start_method):
+    """A worker's large results and the shared arrays it returns, in a 64 MB /dev/shm:
+    anonymous segments whose descriptors the worker passed to the parent (no file, no
+    warning), and that no worker holds once the parent has them."""
+    out = run(start_method, "results")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert printed(out.stdout, "exact") is True
+    assert printed(out.stdout, "kinds") == ["anonymous"]
+    assert printed(out.stdout, "fallbacks") == 0
+    assert printed(out.stdout, "warnings") == []
+    assert printed(out.stdout, "workers") >= 1
+    assert printed(out.stdout, "worker_held") == []
+    assert printed(out.stdout, "left") == []
+    assert printed(out.stdout, "held") == []
+
+
+@needs_root
 @pytest.mark.parametrize("root", ["ro+tmp", "ro"])
 def test_read_only_root(start_method, root):
     """Kubernetes' readOnlyRootFilesystem, with a writable /tmp or none: the same."""
@@ -75,6 +92,7 @@ def test_doctor_says_which_kind_and_why(root):
     assert "small (Docker's default is 64 MB)" in found["shared memory"][1]
     assert found["segments"][0] == "ok"
     assert "larger ones go to anonymous shared memory (memfd)" in found["segments"][1]
+    assert "workers pass theirs to the parent" in found["segments"][1]
     status, detail = found["fallback folder"]
     if root == "ro":
         assert status == "warning" and "is not writable" in detail, detail
@@ -185,3 +203,63 @@ except SegmentError as exc:
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["raised", "True", "errno", "True", "True"], done.stderr
+
+
+def test_a_descriptor_that_never_comes_fails_the_result_clearly(monkeypatch):
+    """A result names a worker's anonymous segment whose descriptor never arrives (lost
+    on its way): the parent waits a bounded time, then the result fails with an error
+    that says so, and the pool goes on."""
+    import pickle
+    import time
+
+    import numpy as np
+
+    from sharexec import _passing, _wire
+
+    monkeypatch.setattr(_passing, "WAIT_SECONDS", 0.3)
+    assert _passing.listen()
+    buffers: list = []
+    payload = pickle.dumps(np.ones(512), protocol=5, buffer_callback=buffers.append)
+    name = f"memfd:7:{_segments.new_name()}"  # a worker's segment, never passed
+    started = time.monotonic()
+    outcome = _wire.load_result(payload, [(name, 4096, 0, 4096)], [], token=-1)
+    assert 0.3 <= time.monotonic() - started < 5
+    assert isinstance(outcome, _wire.Failure)
+    assert "did not arrive within 0.3 s" in str(outcome.error)
+
+
+def test_passed_descriptors_are_taken_by_label_and_dropped_with_their_executor():
+    """What a worker sends (here: this process, through its own outbox): taken by the
+    segment's label under a name of the receiver's; one sent for an executor that
+    reads no more results is closed, not kept."""
+    from sharexec import _passing, _tracking, _transport
+
+    kept, dropped_token = next(_transport._tokens), next(_transport._tokens)  # no executor's
+    assert _passing.listen()
+    mapping = _segments.create_anonymous(4096, lambda write: write(0, memoryview(b"sent")))
+    label = _segments.anonymous_label(mapping.name)
+    fd = _segments.pass_on(mapping.name)
+    try:
+        _passing.send(os.getpid(), fd, label, kept)
+    finally:
+        os.close(fd)
+    adopted = _tracking.adopt(mapping.name, 4096)
+    assert adopted.name != mapping.name and _segments.anonymous_label(adopted.name) == label
+    assert bytes(adopted[:4]) == b"sent"
+    assert _segments.existing([adopted.name]) == {adopted.name}  # others can open it
+    dropped = _segments.create_anonymous(4096)
+    fd = _segments.pass_on(dropped.name)
+    try:
+        _passing.send(os.getpid(), fd, _segments.anonymous_label(dropped.name), dropped_token)
+    finally:
+        os.close(fd)
+    _passing.drop(dropped_token)
+    with pytest.raises(SegmentError, match="did not arrive"):
+        _passing.take(_segments.anonymous_label(dropped.name), 0.1)
+    held = {
+        os.readlink(f"/proc/self/fd/{n}")
+        for n in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{n}")
+    }
+    assert not any(_segments.anonymous_label(dropped.name) in h for h in held)
+    del adopted, mapping, dropped

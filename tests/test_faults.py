@@ -547,17 +547,43 @@ needs_root = pytest.mark.skipif(
 )
 
 
+def no_memfd_anywhere(script: str) -> str:
+    """``SMALL_SHM`` on a system without anonymous shared memory, in its workers too."""
+    return script.replace(
+        'if __name__ == "__main__":\n',
+        "def no_memfd():\n    _segments._anonymous_supported = False\n\n"
+        'if __name__ == "__main__":\n    no_memfd()\n',
+    ).replace("mp_context=METHOD)", "mp_context=METHOD, initializer=no_memfd)")
+
+
 @needs_root
 @pytest.mark.transport  # where the bytes go: the same whatever started the worker
 def test_small_dev_shm_spills_to_disk(start_method, tmp_path):
+    """No anonymous shared memory (no memfd_create, or no /proc): what does not fit in
+    /dev/shm goes to files, the worker's result too, with one warning."""
     (tmp_path / "spill").mkdir()
-    out = in_small_shm(tmp_path, SMALL_SHM, start_method, "true &&")
+    out = in_small_shm(tmp_path, no_memfd_anywhere(SMALL_SHM), start_method, "true &&")
     exited(out.returncode)
     assert out.returncode == 0, out.stderr
     assert "exact True" in out.stdout
     assert "warnings 1" in out.stdout, out.stdout  # one warning, however many fallbacks
     assert_none_left(left_in(out.stdout))
     assert_none_left({str(p) for p in (tmp_path / "spill").iterdir()})  # spill files
+
+
+@needs_root
+@pytest.mark.transport  # where the bytes go: the same whatever started the worker
+def test_small_dev_shm_needs_no_file(start_method, tmp_path):
+    """With anonymous shared memory, nothing goes to a file, not even a worker's 200 MB
+    result (its descriptor is passed to the parent): no warning."""
+    (tmp_path / "spill").mkdir()
+    out = in_small_shm(tmp_path, SMALL_SHM, start_method, "true &&")
+    exited(out.returncode)
+    assert out.returncode == 0, out.stderr
+    assert "exact True" in out.stdout
+    assert "warnings 0" in out.stdout, out.stdout
+    assert_none_left(left_in(out.stdout))
+    assert list((tmp_path / "spill").iterdir()) == []  # no folder was ever made there
 
 
 @needs_root
