@@ -37,7 +37,7 @@ import contextlib
 import errno
 import logging
 import os
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -119,7 +119,12 @@ class _Inbox:
     def _read(self, wait: float) -> None:
         """Accept and read whatever is ready, waiting ``wait`` seconds at most for it."""
         assert self.listener is not None
-        ready, _, _ = select.select([self.listener, *self.connections], [], [], wait)
+        # poll, not select(): descriptors above 1,024 are ordinary once the limit is
+        # raised for anonymous segments (_segments._raise_open_files_limit).
+        with selectors.PollSelector() as poller:
+            for sock in (self.listener, *self.connections):
+                poller.register(sock, selectors.EVENT_READ, sock)
+            ready: list[socket.socket] = [key.data for key, _ in poller.select(wait)]
         for sock in ready:
             if sock is self.listener:
                 self._accept()

@@ -205,6 +205,32 @@ except SegmentError as exc:
     assert done.stdout.split() == ["raised", "True", "errno", "True", "True"], done.stderr
 
 
+def test_descriptors_pass_when_the_receivers_numbers_are_above_1024():
+    """Anonymous segments raise the limit of open files, so the receiving socket and its
+    connections may get numbers above 1,024, which ``select()`` refuses: they still
+    pass."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit of open files is {hard}: no number above 1,024")
+    code = """
+import os, resource
+from sharexec import _passing, _segments, _tracking, _transport
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+assert _passing.listen()
+mapping = _segments.create_anonymous(4096, lambda write: write(0, memoryview(b"sent")))
+fd = _segments.pass_on(mapping.name)
+_passing.send(os.getpid(), fd, _segments.anonymous_label(mapping.name), next(_transport._tokens))
+os.close(fd)
+print(bytes(_tracking.adopt(mapping.name, 4096)[:4]).decode())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["sent"], done.stderr[-2000:]
+
+
 def test_a_descriptor_that_never_comes_fails_the_result_clearly(monkeypatch):
     """A result names a worker's anonymous segment whose descriptor never arrives (lost
     on its way): the parent waits a bounded time, then the result fails with an error
