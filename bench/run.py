@@ -28,7 +28,7 @@ Workloads (sizes in MiB, times ``--scale``):
 - W4: 16 tasks fill a 512 MiB output slice by slice.
 - W5: 10,000 tiny tasks (``--tasks``), by ``submit`` and by ``map``.
 - W6: start-up and W1 under spawn, fork, forkserver and each system's default.
-- small-shm: sharexec's W1–W4 with the host's /dev/shm and in a private mount namespace
+- small-shm: sharexec's W1 to W4 with the host's /dev/shm and in a private mount namespace
   whose /dev/shm is a 64 MB tmpfs (a default container's; needs root and ``unshare``),
   each a run of this script in a child process, 3 of each, alternating, in one run: per
   workload the ratio of the namespace's time to the host's (target: at most 1.2) and the
@@ -408,7 +408,7 @@ SMALL_SHM_ROUNDS = 3  # runs of each side, alternating (host first, then namespa
 
 
 def small_shm(args: argparse.Namespace) -> dict[str, Any]:
-    """sharexec's W1–W4 with the host's /dev/shm and in a 64 MB one: each side a run of
+    """sharexec's W1 to W4 with the host's /dev/shm and in a 64 MB one: each side a run of
     this script in a child (``--one-side``), its rows read from its results file;
     :data:`SMALL_SHM_ROUNDS` runs of each, alternating, and per workload the median of
     a side's runs (each the median of its ``--reps``)."""
@@ -438,9 +438,9 @@ def small_shm(args: argparse.Namespace) -> dict[str, Any]:
             if side == "namespace":
                 warnings += [line for line in done.stderr.splitlines() if "Warning" in line]
             for r in json.loads(out.read_text())["rows"]:
-                if r["workload"] in SMALL_SHM_WORKLOADS and r["time"] is not None:
-                    if r["workload"] != "W1" or r["mib"] == W1_MIB:
-                        sides[side].setdefault(r["workload"], []).append(r["time"])
+                wanted = r["workload"] in SMALL_SHM_WORKLOADS and r["time"] is not None
+                if wanted and (r["workload"] != "W1" or r["mib"] == W1_MIB):
+                    sides[side].setdefault(r["workload"], []).append(r["time"])
     table = []
     for workload in SMALL_SHM_WORKLOADS:
         runs = [sides[side].get(workload) for side in ("host", "namespace")]
