@@ -1,8 +1,9 @@
 """``python -m sharexec doctor``: what this machine offers sharexec, and what is wrong.
 
 Collects facts (platform, versions, the shared-memory folder and its free space, which
-kind of segment is in use and why, the fallback folder, ``SHAREXEC_*`` variables that are
-invalid or unknown, start methods, stale segments left by dead processes) as
+kind of segment is in use and why, the fallback folder, where fork servers bind their
+sockets when no temporary folder is writable, ``SHAREXEC_*`` variables that are invalid
+or unknown, start methods, stale segments left by dead processes) as
 :class:`Finding` records; only the command line prints them.
 
 A segment is *stale* when its creator is surely dead, no process maps it and it has not
@@ -270,6 +271,28 @@ def _shared_memory() -> list[Finding]:
     ]
 
 
+def _fork_servers() -> list[Finding]:
+    """Where a fork server's socket goes (the default start method's, ``forkserver``'s),
+    said only where no temporary folder is writable: in /dev/shm, or nowhere."""
+    from ._loky import fallback_parent
+
+    parent = fallback_parent()
+    if parent is None:  # multiprocessing's own private folder, in the temporary folder
+        return []
+    if parent:
+        detail = (
+            "no temporary folder is writable: a fork server (the default start method, "
+            f"'forkserver') binds its socket in a private folder of {parent} instead"
+        )
+        return [Finding("fork servers", detail, "ok")]
+    detail = (
+        "no temporary folder is writable, nor /dev/shm: no fork server (the default start "
+        "method, 'forkserver') can bind its socket: mount a tmpfs on /tmp, or set TMPDIR "
+        "to a writable folder"
+    )
+    return [Finding("fork servers", detail, "warning")]
+
+
 def examine() -> list[Finding]:
     """Look at this machine the way sharexec will use it."""
     import cloudpickle
@@ -313,12 +336,12 @@ def examine() -> list[Finding]:
             Finding(
                 "fallback folder",
                 f"{spill} is not writable (a read-only root file system?): what finds no "
-                "room in shared memory is pickled instead, and the default start method "
-                "(a fork server, whose socket goes there) cannot start: mount a tmpfs on "
-                "/tmp, set TMPDIR, or pass mp_context='fork' or 'spawn'",
+                "room in shared memory is pickled instead (mount a tmpfs on /tmp, or set "
+                "SHAREXEC_TEMP_FOLDER to a writable folder)",
                 "warning",
             )
         )
+    findings.extend(_fork_servers())
     findings.append(
         Finding("min_share_bytes", f"{options.min_share_bytes:,} bytes{source}", "ok"),
     )

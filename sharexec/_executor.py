@@ -61,7 +61,15 @@ from . import _session
 from ._api import Statistics, map_calls
 from ._batching import Batching
 from ._config import Options
-from ._loky import LokyExecutor, LokyFuture, PoolFuture, cpu_count, get_context, warm_context
+from ._loky import (
+    LokyExecutor,
+    LokyFuture,
+    PoolFuture,
+    cpu_count,
+    fork_server_folder,
+    get_context,
+    warm_context,
+)
 from ._transport import Task, Transport, pooled_everywhere
 from ._wire import Delivered, Failure, dumps_sharing_globals
 from ._worker import run, run_batch, run_chunk, run_initializer
@@ -87,14 +95,21 @@ def _resolve_context(mp_context: BaseContext | str | None) -> BaseContext:
         if mp_context == "fork":
             # loky's get_context warns on "fork"; the stdlib's does not, nor do we.
             return multiprocessing.get_context("fork")
-        context = get_context(mp_context)
-        return context
+        return _with_fork_server_folder(get_context(mp_context))
     if not hasattr(mp_context, "Process") or not hasattr(mp_context, "get_start_method"):
         raise TypeError(
             "mp_context must be a multiprocessing context or a start-method name, "
             f"got {mp_context!r}"
         )
-    return mp_context
+    return _with_fork_server_folder(mp_context)
+
+
+def _with_fork_server_folder(context: BaseContext) -> BaseContext:
+    """``context``; a forkserver one once its server has a folder for its socket (made
+    in /dev/shm where no temporary folder is writable: see _loky.fork_server_folder)."""
+    if context.get_start_method() == "forkserver":
+        fork_server_folder()
+    return context
 
 
 class SharedProcessPoolExecutor(LokyExecutor):

@@ -10,6 +10,11 @@ its /dev/shm are gone once it exits. Scenarios:
   shared array of their own (more than /dev/shm holds): where they live, and what the
   workers still hold;
 * ``doctor``: what ``python -m sharexec doctor`` finds there;
+* ``fork-server-folder``: a program (a child) runs a call, says where multiprocessing's
+  private folder is (a fork server's socket goes there), its mode and the sockets in it,
+  and exits; then whether that folder is gone, and what ``pymp-`` folder is left in
+  /dev/shm;
+* ``no-folder``: the error that making an executor raises, if any;
 * ``crash parent`` and ``crash worker``: a program of the same work (its victim, a
   child) is SIGKILLed, or one of its workers is, while large results are on their way
   back; then what is left of it, in /dev/shm and held anywhere as anonymous shared
@@ -18,9 +23,11 @@ its /dev/shm are gone once it exits. Scenarios:
 
 from __future__ import annotations
 
+import ast
 import gc
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -264,6 +271,51 @@ def crash(whom: str) -> None:
     print("holders", sorted(set(holders)))
 
 
+def folder_user() -> None:
+    """Run a call, then say where multiprocessing's private folder is: None if nothing
+    made it."""
+    from multiprocessing import process
+
+    with sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD) as ex:
+        print("answer", ex.submit(worker_pid).result() != os.getpid())
+        folder = process.current_process()._config.get("tempdir")
+        print("folder", repr(folder))
+        if folder is not None:
+            print("mode", oct(os.stat(folder).st_mode & 0o777))
+            sockets = [
+                n for n in os.listdir(folder) if stat.S_ISSOCK(os.lstat(f"{folder}/{n}").st_mode)
+            ]
+            print("sockets", len(sockets))
+
+
+def fork_server_folder() -> None:
+    proc = subprocess.run(
+        [sys.executable, __file__, sys.argv[1], "folder-user"],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=90,
+    )
+    print(proc.stdout, end="")
+    print("returncode", proc.returncode)
+    folder = printed_here(proc.stdout, "folder")
+    print("gone", folder is None or not os.path.exists(folder))
+    print("pymp_left", sorted(n for n in os.listdir("/dev/shm") if n.startswith("pymp-")))
+
+
+def printed_here(stdout: str, key: str) -> object:
+    lines = [line for line in stdout.splitlines() if line.startswith(key + " ")]
+    return ast.literal_eval(lines[-1][len(key) + 1 :]) if lines else None
+
+
+def no_folder() -> None:
+    try:
+        sharexec.SharedProcessPoolExecutor(2, mp_context=METHOD).shutdown()
+    except Exception as exc:
+        print("error", repr((type(exc).__name__, str(exc))))
+    else:
+        print("error", None)
+
+
 if __name__ == "__main__":
     scenario = sys.argv[2]
     if scenario == "repeated":
@@ -274,6 +326,12 @@ if __name__ == "__main__":
         victim(sys.argv[3])
     elif scenario == "crash":
         crash(sys.argv[3])
+    elif scenario == "folder-user":
+        folder_user()
+    elif scenario == "fork-server-folder":
+        fork_server_folder()
+    elif scenario == "no-folder":
+        no_folder()
     elif scenario == "doctor":
         from sharexec import _doctor
 

@@ -13,9 +13,11 @@ import errno
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
-from container import needs_root, printed, run
+from conftest import method_id
+from container import ROOTS, SCENARIOS, in_namespace, needs_root, printed, run
 
 from sharexec import _segments
 from sharexec.errors import SegmentError
@@ -27,9 +29,9 @@ pytestmark = [
     ),
 ]
 
-# Python's forkserver (and so sharexec's default, forks of a warm server of that kind)
-# binds its socket in a temporary folder: with none writable it cannot start.
-NEEDS_A_TEMP_FOLDER = (None, "forkserver")
+# The start methods whose workers are forks of a fork server (sharexec's warm server, or
+# the standard library's), which binds its socket in multiprocessing's private folder.
+FORK_SERVERS = (None, "forkserver")
 
 
 def check_repeated(out) -> None:
@@ -75,9 +77,47 @@ def test_workers_results_are_anonymous_and_left_nowhere(start_method):
 @pytest.mark.parametrize("root", ["ro+tmp", "ro"])
 def test_read_only_root(start_method, root):
     """Kubernetes' readOnlyRootFilesystem, with a writable /tmp or none: the same."""
-    if root == "ro" and start_method in NEEDS_A_TEMP_FOLDER:
-        pytest.skip("Python's forkserver needs a writable temporary folder for its socket")
     check_repeated(run(start_method, "repeated", root=root))
+
+
+@needs_root
+@pytest.mark.parametrize("root", ["rw", "ro"])
+def test_fork_servers_bind_in_dev_shm_without_a_temporary_folder(start_method, root):
+    """A fork server's socket goes to multiprocessing's private folder: in the temporary
+    folder as usual; with none writable, in /dev/shm, made the same way (mode 0700) and
+    removed at exit. Other start methods make no such folder."""
+    out = run(start_method, "fork-server-folder", root=root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert printed(out.stdout, "returncode") == 0, out.stdout
+    assert printed(out.stdout, "answer") is True
+    folder = printed(out.stdout, "folder")
+    if start_method in FORK_SERVERS:
+        parent = "/dev/shm" if root == "ro" else tempfile.gettempdir()
+        assert isinstance(folder, str) and os.path.dirname(folder) == parent, folder
+        assert os.path.basename(folder).startswith("pymp-"), folder
+        assert printed(out.stdout, "mode") == 0o700
+        assert printed(out.stdout, "sockets") >= 1  # the server's
+    else:
+        assert folder is None
+    assert printed(out.stdout, "gone") is True  # once the program has exited
+    assert printed(out.stdout, "pymp_left") == []
+
+
+@needs_root
+@pytest.mark.parametrize("method", FORK_SERVERS, ids=method_id)
+def test_no_folder_for_a_fork_servers_socket_says_what_to_do(method):
+    """Neither a temporary folder nor /dev/shm writable: making the executor fails at
+    once, saying why and what to do (not with tempfile's bare "No usable temporary
+    directory")."""
+    setup = ROOTS["ro"] + "mount -o remount,ro /dev/shm && "
+    out = in_namespace(SCENARIOS, method, "no-folder", setup=setup)
+    assert out.returncode == 0, out.stdout + out.stderr
+    kind, message = printed(out.stdout, "error")
+    assert kind == "FileNotFoundError", message
+    assert "binds its socket in a private folder" in message, message
+    assert "No usable temporary directory" in message, message
+    assert "/dev/shm is not writable either" in message, message
+    assert "set TMPDIR to a writable folder" in message, message
 
 
 @needs_root
@@ -96,8 +136,11 @@ def test_doctor_says_which_kind_and_why(root):
     status, detail = found["fallback folder"]
     if root == "ro":
         assert status == "warning" and "is not writable" in detail, detail
+        status, detail = found["fork servers"]
+        assert status == "ok" and "socket in a private folder of /dev/shm" in detail, detail
     else:
         assert status == "ok", detail
+        assert "fork servers" not in found  # multiprocessing's usual place
 
 
 # ---------------------------------------------------------------------------------------
@@ -141,6 +184,39 @@ def test_another_process_maps_an_anonymous_segment_by_name():
         _segments.attach(name, 1 << 20, private=True)
     assert bytes(mapping[:8]) == b"SHARexec"  # the mapping keeps the memory
     mapping.close()
+
+
+def test_a_fork_servers_folder_falls_back_to_dev_shm():
+    """Where tempfile finds no writable folder (here: its folder is made missing),
+    multiprocessing's private folder is made in /dev/shm (mode 0700), multiprocessing
+    finds it there, and it is removed at exit; with no fallback either, the error says
+    what to do."""
+    code = """
+import os, sys, tempfile
+from multiprocessing import util
+from sharexec._loky import temp_folder
+tempfile.tempdir = sys.argv[1]
+print(temp_folder.fallback_parent())
+folder = temp_folder.fork_server_folder()
+print(folder, oct(os.stat(folder).st_mode & 0o777), util.get_temp_dir() == folder)
+"""
+    missing = "/nonexistent-sharexec-test"
+    done = subprocess.run(
+        [sys.executable, "-c", code, missing], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    parent, (folder, mode, found) = done.stdout.split("\n")[0], done.stdout.split()[1:]
+    assert parent == "/dev/shm"
+    assert os.path.dirname(folder) == "/dev/shm" and "/pymp-" in folder
+    assert (mode, found) == ("0o700", "True")
+    assert not os.path.exists(folder)  # removed at exit
+    fails = code.replace("print(temp", "temp_folder.FALLBACK_PARENTS = (sys.argv[1],)\nprint(temp")
+    done = subprocess.run(
+        [sys.executable, "-c", fails, missing], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split("\n")[0] == "", done.stdout  # fallback_parent: none is writable
+    assert "FileNotFoundError" in done.stderr, done.stderr
+    assert "set TMPDIR to a writable folder" in done.stderr, done.stderr
 
 
 def test_a_reused_descriptor_is_not_taken_for_a_freed_segment():

@@ -13,6 +13,8 @@ each opening with what it replaces in loky 3.7 and how it differs:
 * ``queues``: the call and result queues, and what a worker sends on them;
 * ``warm_server``: sharexec's default start method;
 * ``warm_preload``: in the warm server only, importing the parent's packages;
+* ``temp_folder``: multiprocessing's private folder, where a fork server binds its
+  socket, made in /dev/shm where no temporary folder is writable;
 * ``reducers``: the reducer tables of loky and multiprocessing;
 * ``leak_check``: loky's worker leak check, measuring private memory;
 * ``futures``: the future, and the remote traceback.
@@ -46,6 +48,11 @@ In detail:
   :data:`WARM_PRELOAD` and the parent's packages, through ``warm_preload``), whose
   ``Popen`` asks that server for the fork and tells the child nothing of the main
   module; :func:`warm_left_out`: the packages it leaves out.
+* :func:`fork_server_folder`: multiprocessing's private folder of this process
+  (``util.get_temp_dir()``, where a fork server binds its socket), made before a fork
+  server starts; where no temporary folder is writable, made in /dev/shm and stored in
+  the process's ``_config["tempdir"]``, where ``get_temp_dir`` looks first.
+  :func:`fallback_parent`: where it would go, looking only (for ``doctor``).
 * The queues, subclasses of loky's (``_CallQueue``, ``_ResultQueue``): loky
   pickles every item it puts on a queue with a fresh cloudpickle pickler, whose set-up
   (a copied dispatch table) costs about 15 µs, more than the rest of a tiny task's trip
@@ -110,6 +117,7 @@ from .futures import LokyFuture, PoolFuture, remote_traceback  # noqa: E402
 from .leak_check import count_private_memory_only  # noqa: E402
 from .queues import note_run_seconds, send_outcome  # noqa: E402
 from .reducers import DISPATCH_TABLE, FORKING_REDUCERS, Reducers  # noqa: E402
+from .temp_folder import fallback_parent, fork_server_folder  # noqa: E402
 from .warm_server import WARM_PRELOAD, warm_context, warm_left_out  # noqa: E402
 
 __all__ = [
@@ -127,6 +135,8 @@ __all__ = [
     "Reducers",
     "count_private_memory_only",
     "cpu_count",
+    "fallback_parent",
+    "fork_server_folder",
     "get_context",
     "note_run_seconds",
     "remote_traceback",

@@ -20,6 +20,7 @@ from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver as mp_forkserver
 from multiprocessing import popen_forkserver as mp_popen_forkserver
+from multiprocessing import process as mp_process
 from multiprocessing import queues as mp_queues
 from multiprocessing import reduction as mp_reduction
 from multiprocessing import spawn as mp_spawn
@@ -150,6 +151,9 @@ def _problems() -> list[str]:
         *_assigns(mp_popen_forkserver, "Popen", "_fds"),
         *_takes(mp_forkserver, "ForkServer.connect_to_new_process", "self", "fds"),
         *_takes(mp_forkserver, "ForkServer.set_forkserver_preload", "self", "modules_names"),
+        # multiprocessing's private folder, made in /dev/shm where tempfile finds none.
+        *_has(mp_util, "get_temp_dir", "Finalize"),
+        *_assigns(mp_process, "BaseProcess", "_config"),
         # The queues: loky's, multiprocessing's feeder rebuilt, recycling.
         *_has(pe, "_SafeQueue._on_queue_feeder_error", "_CallItem", "_ResultItem"),
         *_has(pe, "_RecycledWorkerPid", "_SafeQueue.__getstate__", "_SafeQueue.__setstate__"),

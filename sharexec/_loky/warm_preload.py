@@ -9,8 +9,9 @@ authentication of clients) and says what else to do through those names:
   ``sys.meta_path`` and makes itself a package (``__path__``), so that the names below,
   its submodules, reach that finder and nothing else;
 * ``<this module>.orders_<hex>``: the file (its path in hexadecimal, in the parent's
-  private temporary folder) that lists the parent's packages to import, in JSON: for
-  each top-level package, the names of its modules the parent imported, e.g.
+  private temporary folder: ``temp_folder``) that lists the parent's packages to
+  import, in JSON: for each top-level package, the names of its modules the parent
+  imported, e.g.
   ``[["scipy", "scipy.stats", ...], ...]`` (the parent writes it first, and never
   changes it: a server started again after its death reads the same).
 

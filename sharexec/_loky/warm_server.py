@@ -32,6 +32,8 @@ from multiprocessing import util as mp_util
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from .temp_folder import fork_server_folder
+
 logger = logging.getLogger("sharexec")
 
 # What sharexec's server imports once, so that every worker forked from it starts warm:
@@ -107,7 +109,8 @@ class _WarmServer:
         self.packages: dict[str, list[str]] = {}
         self.left_out: set[str] = set()
         # The file of the running server's orders (in multiprocessing's private folder
-        # of this process), e.g. "/tmp/pymp-…/sharexec-warm-…": None, a new server next.
+        # of this process, beside the server's socket: temp_folder), e.g.
+        # "/tmp/pymp-…/sharexec-warm-…": None, a new server next.
         self.orders: str | None = None
 
     def start(self) -> None:
@@ -185,7 +188,7 @@ class _WarmServer:
         server: Any = self.server
         if self.orders is None:  # a new server: its orders (also if it dies and restarts)
             name = f"sharexec-warm-{os.urandom(6).hex()}"
-            self.orders = os.path.join(mp_util.get_temp_dir(), name)
+            self.orders = os.path.join(fork_server_folder(), name)
             with open(self.orders, "w") as f:
                 json.dump(list(self.packages.values()), f)
             order = f"{PRELOAD_PREFIX}orders_{self.orders.encode().hex()}"
