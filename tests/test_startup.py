@@ -170,6 +170,13 @@ def test_ctrl_c_while_workers_start_is_raised_once_they_are_counted(start_method
         signal.signal(signal.SIGINT, handler)
 
 
+def test_a_new_workers_code_sees_no_thread_of_sharexecs(start_method, no_leaks):
+    # As in a standard library worker: the watch of the parent is a bare thread.
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        _, _, _, _, threads = ex.submit(sw.state, "HOME").result()
+    assert threads == ["MainThread"]
+
+
 def test_a_worker_dying_breaks_the_pool_as_before(start_method, no_leaks):
     ex = sharexec.SharedProcessPoolExecutor(4, mp_context=start_method)
     try:
@@ -247,6 +254,17 @@ def test_a_forked_child_starts_its_own_warm_server(no_leaks):
     # the nested pool's worker is a fork of a server of the fork-started worker's own
     assert parent not in (os.getpid(), warm_server_pid())
     assert worker != parent
+
+
+def test_an_executor_reads_the_parents_packages_only_for_a_new_server(monkeypatch, no_leaks):
+    with sharexec.SharedProcessPoolExecutor(1) as ex:
+        ex.submit(sw.pid).result()  # the server runs
+    read: list[int] = []
+    packages = _loky.warm_server.parent_packages
+    monkeypatch.setattr(_loky.warm_server, "parent_packages", lambda: read.append(1) or packages())
+    with sharexec.SharedProcessPoolExecutor(1) as ex:
+        ex.submit(sw.pid).result()
+    assert read == []
 
 
 def test_a_script_without_a_main_guard_runs_once_under_the_default(tmp_path: Path):
