@@ -338,12 +338,13 @@ class SharedProcessPoolExecutor(LokyExecutor):
         """
         if cancel_futures:
             self._cancel_pending()  # and the calls a worker hands back later
+        if self._started and self._context is warm_context() and not self._pool_shut_down:
+            # A program that made a pool may make another: its workers will start
+            # without waiting for a fork of the warm server (see _WarmServer.ahead),
+            # forked while this one's workers exit.
+            self._context.fork_ahead(min(self._started, self._pool_max_workers))  # type: ignore[attr-defined]
         super().shutdown(wait=wait)
         self._close_transport()  # with wait, no call is pending any more
-        if self._started and self._context is warm_context():
-            # A program that made a pool may make another: its workers will start
-            # without waiting for a fork of the warm server (see _WarmServer.ahead).
-            self._context.fork_ahead(min(self._started, self._pool_max_workers))  # type: ignore[attr-defined]
 
     def terminate_workers(self) -> None:
         """Terminate every live worker now (SIGTERM), and shut the executor down.

@@ -141,6 +141,9 @@ def _await_activation() -> Any:
     the preparation data). Exits at once, quietly, if the parent lets it go or is gone.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # What the worker's start would read (see _take_parent_state), read while waiting.
+    global _ignored_here
+    _ignored_here = _ignored_now()
     inherited = mp_forkserver.get_inherited_fds()
     assert inherited is not None
     with socket.socket(fileno=inherited[0]) as sock:
@@ -483,6 +486,18 @@ class _ParentState:
         return _take_parent_state, (self.environ, self.umask, self.ignored, self.blocked)
 
 
+def _ignored_now() -> set[int]:
+    """The signals this process ignores now."""
+    with open("/proc/self/status") as f:
+        return _signals(_status_field(f.read(), "SigIgn"))
+
+
+# In a child of the warm server, the signals it ignores, read while it waited to become
+# a worker (nothing changes them meanwhile: the child runs only its main thread, in
+# _await_activation), e.g. {2, 13}: its start reads them no more.
+_ignored_here: set[int] | None = None
+
+
 def _take_parent_state(
     environ: dict[bytes, bytes], umask: int, ignored: set[int], blocked: set[int]
 ) -> None:
@@ -500,8 +515,7 @@ def _take_parent_state(
         if here.get(name) != value:
             here[name] = value
     os.umask(umask)
-    with open("/proc/self/status") as f:
-        ignored_here = _signals(_status_field(f.read(), "SigIgn"))
+    ignored_here = _ignored_now() if _ignored_here is None else _ignored_here
     for number in ignored - ignored_here:
         signal.signal(number, signal.SIG_IGN)
     for number in ignored_here - ignored - _IGNORED_BY_PYTHON:
