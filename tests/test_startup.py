@@ -87,6 +87,22 @@ def test_under_fork_every_worker_starts_at_the_first_call_before_the_pool_thread
     assert not threads_at_start[0] & {"QueueFeederThread", "ExecutorManagerThread"}
 
 
+def test_but_under_fork_the_manager_thread_starts_before_the_first_worker(start_method, no_leaks):
+    if start_method == "fork":
+        pytest.skip("under fork every worker starts before the pool threads (the test above)")
+    threads_at_start: list[set[str]] = []
+    with sharexec.SharedProcessPoolExecutor(2, mp_context=start_method) as ex:
+        report = ex._workers_started
+
+        def record(pids: list[int]) -> None:
+            threads_at_start.append({t.name for t in threading.enumerate()})
+            report(pids)
+
+        ex._workers_started = record  # type: ignore[method-assign]
+        ex.submit(sw.pid).result()
+    assert "ExecutorManagerThread" in threads_at_start[0]
+
+
 def test_workers_start_as_calls_wait_and_never_more_than_max_workers(
     start_method, no_leaks, tmp_path: Path
 ):
