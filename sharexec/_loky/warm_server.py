@@ -22,10 +22,12 @@ import json
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
 import threading
+import types
 from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
@@ -147,6 +149,7 @@ def _await_activation() -> Any:
     inherited = mp_forkserver.get_inherited_fds()
     assert inherited is not None
     with socket.socket(fileno=inherited[0]) as sock:
+        _rehearse(sock)
         header, fds, _, _ = socket.recv_fds(sock, 8, _MAX_FDS + 1)
         if len(header) < 8:
             os._exit(0)
@@ -163,6 +166,47 @@ def _await_activation() -> Any:
     child: Any = mp_forkserver._forkserver
     tracker._fd, *child._inherited_fds = fds
     return pickle.loads(data)
+
+
+# The modules whose functions and classes a worker's start runs (its process object
+# unpickled, loky's worker loop, run_initializer, its first call loaded), by name.
+_REHEARSED = (
+    "multiprocessing.synchronize",
+    "multiprocessing.connection",
+    "multiprocessing.queues",
+    "multiprocessing.process",
+    "multiprocessing.util",
+    "loky.process_executor",
+    "loky.backend.queues",
+    "threading",
+    "sharexec._loky.queues",
+    "sharexec._worker",
+    "sharexec._session",
+)
+
+
+def _rehearse(sock: socket.socket) -> None:
+    """In a child of the server that waits to become a worker: touch the functions
+    (and their code) and classes of :data:`_REHEARSED`, until the parent's word is
+    there.
+
+    A fork's first write to each page of the server's objects copies it (2.5 µs a
+    page here); a worker's start wrote to some 570 (the reference counts of what it
+    runs), 2.5 ms of CPU. Touched while a spare waits, about half of them are copied
+    already when it becomes a worker, at the price of as many more copied ahead that
+    it may never need (about 1.2 MB more of its own). A child told at once (no spare
+    was waiting) skips it."""
+    for name in _REHEARSED:
+        if select.select([sock], [], [], 0)[0]:
+            return
+        module = sys.modules.get(name)
+        for value in list(vars(module).values()) if module is not None else ():
+            if isinstance(value, type) and value.__module__ == name:
+                for member in list(vars(value).values()):
+                    if isinstance(member, types.FunctionType):
+                        member.__code__  # noqa: B018  (the touch is the point)
+            elif isinstance(value, types.FunctionType) and value.__module__ == name:
+                value.__code__  # noqa: B018
 
 
 class _Activation:
