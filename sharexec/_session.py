@@ -557,6 +557,6 @@ def watch_parent(parent_pid: int) -> None:
 
     # A bare thread, not a threading.Thread: its start does not wait for it to run
     # (threading's waits until the new thread is scheduled, 0.3 ms and more of a
-    # worker's start on a busy machine), and the tasks' code sees no thread of ours, as
-    # in a standard library worker.
+    # worker's start on a busy machine), and the tasks' code does not see it: a new
+    # worker shows only its main thread, as a standard library worker does.
     _thread.start_new_thread(watch, ())

@@ -187,7 +187,7 @@ def test_ctrl_c_while_workers_start_is_raised_once_they_are_counted(start_method
         signal.signal(signal.SIGINT, handler)
 
 
-def test_a_new_workers_code_sees_no_thread_of_sharexecs(start_method, no_leaks):
+def test_a_new_workers_code_sees_only_its_main_thread(start_method, no_leaks):
     # As in a standard library worker: the watch of the parent is a bare thread.
     with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
         _, _, _, _, threads = ex.submit(sw.state, "HOME").result()
