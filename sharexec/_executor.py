@@ -158,6 +158,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
     """
 
     _worker_env: dict[str, str] | None = None  # the workers' environment (loky's method)
+    _started = 0  # the workers it started so far
 
     def __init__(
         self,
@@ -268,6 +269,7 @@ class SharedProcessPoolExecutor(LokyExecutor):
     def _workers_started(self, pids: list[int]) -> None:
         # The sweeper ends them if they outlive this process (stopped, they cannot).
         _session.workers_started(pids)
+        self._started += len(pids)
 
     def statistics(self) -> Statistics:
         """What this executor moved, and how: proof that sharing happens.
@@ -351,6 +353,11 @@ class SharedProcessPoolExecutor(LokyExecutor):
         """
         if cancel_futures:
             self._cancel_pending()  # and the calls a worker hands back later
+        if self._started and self._context is warm_context() and not self._pool_shut_down:
+            # A program that made a pool may make another: its workers will start
+            # without waiting for a fork of the warm server (see _WarmServer.ahead),
+            # forked while this one's workers exit.
+            self._context.fork_ahead(min(self._started, self._pool_max_workers))  # type: ignore[attr-defined]
         super().shutdown(wait=wait)
         self._close_transport()  # with wait, no call is pending any more
 

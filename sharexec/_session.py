@@ -40,6 +40,7 @@ A forked child inherits both. Each resets itself in the child with one after-for
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import errno
@@ -554,4 +555,8 @@ def watch_parent(parent_pid: int) -> None:
         select.select([pidfd], [], [])  # readable once the process has exited
         os._exit(1)
 
-    threading.Thread(target=watch, name="sharexec-watch-parent", daemon=True).start()
+    # A bare thread, not a threading.Thread: its start does not wait for it to run
+    # (threading's waits until the new thread is scheduled, 0.3 ms and more of a
+    # worker's start on a busy machine), and the tasks' code does not see it: a new
+    # worker shows only its main thread, as a standard library worker does.
+    _thread.start_new_thread(watch, ())

@@ -57,3 +57,19 @@ def nested_default() -> tuple[int, int]:
 
     with sharexec.SharedProcessPoolExecutor(1) as ex:
         return ex.submit(parent_and_modules, ()).result()[:2]
+
+
+def state(name: str) -> tuple[int, str | None, str, bool, list[str]]:
+    """This worker's pid, the variable ``name`` of its environment, its working
+    directory, whether Ctrl-C raises ``KeyboardInterrupt`` here, and the names of the
+    threads its code sees."""
+    import signal
+    import threading
+
+    return (
+        os.getpid(),
+        os.environ.get(name),
+        os.getcwd(),
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        [t.name for t in threading.enumerate()],
+    )

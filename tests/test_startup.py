@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -84,6 +85,22 @@ def test_under_fork_every_worker_starts_at_the_first_call_before_the_pool_thread
         }
     assert len(threads_at_start) == 1  # all four at once
     assert not threads_at_start[0] & {"QueueFeederThread", "ExecutorManagerThread"}
+
+
+def test_but_under_fork_the_manager_thread_starts_before_the_first_worker(start_method, no_leaks):
+    if start_method == "fork":
+        pytest.skip("under fork every worker starts before the pool threads (the test above)")
+    threads_at_start: list[set[str]] = []
+    with sharexec.SharedProcessPoolExecutor(2, mp_context=start_method) as ex:
+        report = ex._workers_started
+
+        def record(pids: list[int]) -> None:
+            threads_at_start.append({t.name for t in threading.enumerate()})
+            report(pids)
+
+        ex._workers_started = record  # type: ignore[method-assign]
+        ex.submit(sw.pid).result()
+    assert "ExecutorManagerThread" in threads_at_start[0]
 
 
 def test_workers_start_as_calls_wait_and_never_more_than_max_workers(
@@ -170,6 +187,13 @@ def test_ctrl_c_while_workers_start_is_raised_once_they_are_counted(start_method
         signal.signal(signal.SIGINT, handler)
 
 
+def test_a_new_workers_code_sees_only_its_main_thread(start_method, no_leaks):
+    # As in a standard library worker: the watch of the parent is a bare thread.
+    with sharexec.SharedProcessPoolExecutor(1, mp_context=start_method) as ex:
+        _, _, _, _, threads = ex.submit(sw.state, "HOME").result()
+    assert threads == ["MainThread"]
+
+
 def test_a_worker_dying_breaks_the_pool_as_before(start_method, no_leaks):
     ex = sharexec.SharedProcessPoolExecutor(4, mp_context=start_method)
     try:
@@ -242,11 +266,27 @@ def test_a_users_forkserver_keeps_its_own_server_and_preload(no_leaks):
 
 
 def test_a_forked_child_starts_its_own_warm_server(no_leaks):
+    with sharexec.SharedProcessPoolExecutor(1) as ex:
+        ex.submit(sw.pid).result()
+    ahead = waiting()  # this process's children forked ahead, none of the child's
     with sharexec.SharedProcessPoolExecutor(1, mp_context="fork") as ex:
         worker, parent = ex.submit(sw.nested_default).result()
     # the nested pool's worker is a fork of a server of the fork-started worker's own
     assert parent not in (os.getpid(), warm_server_pid())
-    assert worker != parent
+    assert worker != parent and worker not in ahead
+    with sharexec.SharedProcessPoolExecutor(1) as ex:  # they still wait for this process
+        assert ex.submit(sw.pid).result() == ahead[0]
+
+
+def test_an_executor_reads_the_parents_packages_only_for_a_new_server(monkeypatch, no_leaks):
+    with sharexec.SharedProcessPoolExecutor(1) as ex:
+        ex.submit(sw.pid).result()  # the server runs
+    read: list[int] = []
+    packages = _loky.warm_server.parent_packages
+    monkeypatch.setattr(_loky.warm_server, "parent_packages", lambda: read.append(1) or packages())
+    with sharexec.SharedProcessPoolExecutor(1) as ex:
+        ex.submit(sw.pid).result()
+    assert read == []
 
 
 def test_a_script_without_a_main_guard_runs_once_under_the_default(tmp_path: Path):
@@ -270,6 +310,109 @@ def test_a_script_without_a_main_guard_runs_once_under_the_default(tmp_path: Pat
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["main ran", "worker True"]
     assert out.stdout.count("main ran") == 1
+
+
+# ---------------------------------------------------------------------------------------
+# The default: the workers of a later pool, forked ahead
+# ---------------------------------------------------------------------------------------
+
+
+def waiting() -> list[int]:
+    """The children of the warm server forked ahead, waiting to become workers."""
+    return _loky.warm_server._warm_server.waiting()
+
+
+def await_exit(pids: list[int], timeout: float = 60.0) -> None:
+    """Return once every process of ``pids`` has exited (not necessarily ours)."""
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            ready, _, _ = select.select([pidfd], [], [], timeout)
+            assert ready, f"process {pid} still runs"
+        finally:
+            os.close(pidfd)
+
+
+def two_workers(ex: sharexec.SharedProcessPoolExecutor, folder: Path) -> set[int]:
+    """The pids of two distinct workers of ``ex``, each having run a task."""
+    folder.mkdir()
+    return {f.result() for f in [ex.submit(sw.rendezvous, str(folder), 2) for _ in range(2)]}
+
+
+def test_a_pool_after_a_shutdown_starts_its_workers_from_children_forked_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_leaks: None
+):
+    with sharexec.SharedProcessPoolExecutor(2) as ex:
+        first = two_workers(ex, tmp_path / "first")
+    ahead = waiting()
+    assert len(ahead) >= 2 and not set(ahead) & first
+    # The parent as it is when each worker starts, not when it was forked.
+    monkeypatch.setenv("SHAREXEC_TEST_AHEAD", "now")
+    monkeypatch.chdir(tmp_path)
+    # They ignore SIGINT while they wait: a worker takes this process's disposition.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with sharexec.SharedProcessPoolExecutor(2) as ex:
+            second = two_workers(ex, tmp_path / "second")
+            state = ex.submit(sw.state, "SHAREXEC_TEST_AHEAD").result()
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert second == set(ahead[:2])
+    assert state[0] in second
+    assert state[1:4] == ("now", str(tmp_path), True)  # Ctrl-C raises there, as here
+    assert not set(waiting()) & second
+
+
+def test_a_child_forked_ahead_that_died_is_replaced_by_a_fork(no_leaks):
+    with sharexec.SharedProcessPoolExecutor(1) as ex:
+        ex.submit(sw.pid).result()
+    ahead = waiting()
+    assert ahead
+    for pid in ahead:
+        os.kill(pid, signal.SIGKILL)
+    await_exit(ahead)
+    with sharexec.SharedProcessPoolExecutor(2) as ex:
+        pids = {ex.submit(sw.pid).result() for _ in range(4)}
+    assert pids and not pids & set(ahead)
+
+
+AHEAD_PROGRAM = """
+import json, os, signal, sys
+import sharexec
+from sharexec import _loky
+if __name__ == "__main__":
+    with sharexec.SharedProcessPoolExecutor(2) as ex:
+        ex.submit(abs, 1).result()
+    print(json.dumps({
+        "server": _loky.warm_server._warm_server.server._forkserver_pid,
+        "ahead": _loky.warm_server._warm_server.waiting(),
+    }), flush=True)
+    if sys.argv[1] == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("end", ["exits", "killed"])
+def test_children_forked_ahead_exit_quietly_with_their_parent(tmp_path: Path, end: str):
+    script = tmp_path / "ahead.py"
+    script.write_text(AHEAD_PROGRAM)
+    program = subprocess.Popen(
+        [sys.executable, str(script), end],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    # Returns once every holder of the program's output has closed it: the program,
+    # its server and the children forked ahead.
+    out, err = program.communicate(timeout=100)
+    assert program.returncode == (0 if end == "exits" else -signal.SIGKILL), err
+    report = json.loads(out)
+    assert len(report["ahead"]) == 1
+    await_exit([report["server"], *report["ahead"]])
+    assert err == ""
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ Replaces, in loky 3.7's ``loky.process_executor.ProcessPoolExecutor``:
 * ``_adjust_process_count``: at most one worker started per call not done (loky starts
   them all at once), as the standard library does for spawn and forkserver since 3.9;
   under fork all at the first call; a Ctrl-C held while they start;
+* ``_ensure_executor_running``: the manager thread started before the first worker,
+  unless under fork;
 * ``_setup_queues`` (loky's hook for its queues): the same queues, of the classes of
   :mod:`sharexec._loky.queues`;
 * ``_start_executor_manager_thread``: the thread loky starts, then made a
@@ -205,6 +207,21 @@ class LokyExecutor(loky.ProcessPoolExecutor):  # type: ignore[misc]
             # wait: it must list the new ones too, to notice if one dies.
             self._executor_manager_thread_wakeup.wakeup()
             self._workers_started(started)
+
+    def _ensure_executor_running(self) -> None:
+        # As loky's (the workers, then the manager thread), but the manager thread first
+        # unless under fork, whose workers fork before any thread of the pool exists
+        # (see _adjust_process_count). Its start (the thread scheduled, the call queue's
+        # feeder thread started, the first call pickled) then overlaps the first
+        # worker's, instead of holding this thread while that worker starts on the
+        # other core, and the next submit with it. The manager thread lists the new
+        # workers when it is woken for them, as for any worker started later.
+        with self._processes_management_lock:
+            if self._context.get_start_method() != "fork":
+                self._start_executor_manager_thread()
+            if len(self._processes) != self._max_workers:
+                self._adjust_process_count()
+            self._start_executor_manager_thread()
 
     def _start_worker(self) -> int:
         """Start one worker as loky's ``_adjust_process_count`` does; its pid."""

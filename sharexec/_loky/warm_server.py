@@ -6,9 +6,12 @@ multiprocessing's forkserver: a second ``ForkServer`` (:class:`_WarmServer`, pre
 fork, sends the parent's state of the moment (environment, working directory, umask,
 ignored signals, signal mask) to be applied in the child first, and tells the child
 nothing of the main module. A server found dead is started again by the next fork
-request. Differs from multiprocessing's forkserver: a server of its own (a user's
-``set_forkserver_preload`` is not touched), NumPy and the parent's packages preloaded
-(not its main module), the parent's state of now.
+request. Each child waits, on a socket of its own, to be told what worker it becomes
+(:class:`_Spare`), so children can be forked ahead: a pool shut down asks for the next
+pool's (:meth:`_WarmServer.ahead`). Differs from multiprocessing's forkserver: a server
+of its own (a user's ``set_forkserver_preload`` is not touched), NumPy and the parent's
+packages preloaded (not its main module), the parent's state of now, children forked
+ahead.
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ import io
 import json
 import logging
 import os
+import pickle
+import select
 import signal
+import socket
 import sys
 import threading
+import types
 from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver as mp_forkserver
 from multiprocessing import popen_forkserver as mp_popen_forkserver
 from multiprocessing import reduction as mp_reduction
+from multiprocessing import resource_tracker as mp_resource_tracker
 from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
 from multiprocessing.process import BaseProcess
@@ -80,6 +88,139 @@ def parent_packages() -> dict[str, list[str]]:
     return {top: modules for top, modules in packages.items() if modules[0] == top}
 
 
+# The most children forked ahead (_WarmServer.ahead), e.g. the workers of the next pool.
+MAX_SPARES = 4
+
+
+class _Spare:
+    """A child of the server, forked ahead or now, until it becomes a worker.
+
+    Forked with one descriptor of its own, a socket to this process: it waits on it
+    (:func:`_await_activation`, the first thing it reads from the parent's pipe, written
+    at the request) for the descriptors and the preparation data of the worker it
+    becomes (:meth:`activate`), and exits quietly if the socket closes first (this
+    process exits or lets it go: :meth:`close`).
+    """
+
+    __slots__ = ("pid", "server", "sock", "status", "write")
+
+    def __init__(self, server: int, status: int, write: int, sock: socket.socket) -> None:
+        self.server = server  # the server that forks it, e.g. 4711
+        self.status = status  # the server's pipe: the child's pid, then its exit status
+        self.write = write  # the pipe the child reads from (its process object, next)
+        self.sock = sock
+        self.pid: int | None = None  # None until read from ``status``
+
+    def activate(self, fds: list[int], prepared: bytes) -> None:
+        """Make it a worker: it inherits ``fds`` (and this process's resource tracker)
+        and unpickles ``prepared`` as its preparation data."""
+        tracker = mp_resource_tracker.getfd()  # started if it is not running
+        assert tracker is not None
+        header = len(prepared).to_bytes(8, "little")
+        socket.send_fds(self.sock, [header], [tracker, *fds])
+        self.sock.sendall(prepared)
+        self.sock.close()
+
+    def close(self) -> None:
+        """Let it go (it exits, if it was waiting), or close what is left of it here."""
+        self.sock.close()
+        for fd in (self.status, self.write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+# The most descriptors a worker inherits (multiprocessing's forkserver's own bound).
+_MAX_FDS = mp_forkserver.MAXFDS_TO_SEND
+
+
+def _await_activation() -> Any:
+    """In a child of the warm server: wait until the parent makes it a worker, then
+    return its preparation data (the call its first pickle makes, see :class:`_Spare`).
+
+    Takes the worker's descriptors where multiprocessing's forkserver child finds
+    them (its resource tracker's, and the ones ``get_inherited_fds`` returns, which
+    the request set to the socket only). SIGINT is ignored meanwhile (a Ctrl-C of the
+    parent's terminal is no business of a child that waits), and the parent's
+    disposition taken with the rest of its state (``_take_parent_state``, first in
+    the preparation data). Exits at once, quietly, if the parent lets it go or is gone.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # What the worker's start would read (see _take_parent_state), read while waiting.
+    global _ignored_here
+    _ignored_here = _ignored_now()
+    inherited = mp_forkserver.get_inherited_fds()
+    assert inherited is not None
+    with socket.socket(fileno=inherited[0]) as sock:
+        _rehearse(sock)
+        header, fds, _, _ = socket.recv_fds(sock, 8, _MAX_FDS + 1)
+        if len(header) < 8:
+            os._exit(0)
+        size = int.from_bytes(header, "little")
+        data = bytearray()
+        while len(data) < size:
+            chunk = sock.recv(size - len(data))
+            if not chunk:
+                os._exit(0)
+            data += chunk
+    tracker: Any = mp_resource_tracker._resource_tracker
+    with contextlib.suppress(OSError, TypeError):
+        os.close(tracker._fd)
+    child: Any = mp_forkserver._forkserver
+    tracker._fd, *child._inherited_fds = fds
+    return pickle.loads(data)
+
+
+# The modules whose functions and classes a worker's start runs (its process object
+# unpickled, loky's worker loop, run_initializer, its first call loaded), by name.
+_REHEARSED = (
+    "multiprocessing.synchronize",
+    "multiprocessing.connection",
+    "multiprocessing.queues",
+    "multiprocessing.process",
+    "multiprocessing.util",
+    "loky.process_executor",
+    "loky.backend.queues",
+    "threading",
+    "sharexec._loky.queues",
+    "sharexec._worker",
+    "sharexec._session",
+)
+
+
+def _rehearse(sock: socket.socket) -> None:
+    """In a child of the server that waits to become a worker: touch the functions
+    (and their code) and classes of :data:`_REHEARSED`, until the parent's word is
+    there.
+
+    A fork's first write to each page of the server's objects copies it (2.5 µs a
+    page here); a worker's start wrote to some 570 (the reference counts of what it
+    runs), 2.5 ms of CPU. Touched while a spare waits, about half of them are copied
+    already when it becomes a worker, at the price of as many more copied ahead that
+    it may never need (about 1.2 MB more of its own). A child told at once (no spare
+    was waiting) skips it."""
+    for name in _REHEARSED:
+        if select.select([sock], [], [], 0)[0]:
+            return
+        module = sys.modules.get(name)
+        for value in list(vars(module).values()) if module is not None else ():
+            if isinstance(value, type) and value.__module__ == name:
+                for member in list(vars(value).values()):
+                    if isinstance(member, types.FunctionType):
+                        member.__code__  # noqa: B018  (the touch is the point)
+            elif isinstance(value, types.FunctionType) and value.__module__ == name:
+                value.__code__  # noqa: B018
+
+
+class _Activation:
+    """Pickles as a call of :func:`_await_activation`."""
+
+    def __reduce__(self) -> tuple[Callable[[], Any], tuple[()]]:
+        return _await_activation, ()
+
+
+_AWAIT_ACTIVATION = pickle.dumps(_Activation(), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 class _WarmServer:
     """sharexec's own fork server: multiprocessing's ``ForkServer``, a second instance.
 
@@ -112,52 +253,138 @@ class _WarmServer:
         # of this process, beside the server's socket: temp_folder), e.g.
         # "/tmp/pymp-…/sharexec-warm-…": None, a new server next.
         self.orders: str | None = None
+        # Children forked ahead, waiting to become workers (see ahead), oldest first.
+        self.spares: list[_Spare] = []
 
     def start(self) -> None:
         """Start the server now if it is not running: it imports while we go on (the
-        packages this process has imported now, for a server started from now on)."""
+        packages this process has imported now, for a server started from now on: read
+        only then, not at each executor, whose start it would slow by 0.3 ms)."""
         if _preloading:
             raise RuntimeError("no executor starts in sharexec's warm server")
         with self.lock:
-            packages = parent_packages()
-            self.packages = {n: m for n, m in packages.items() if n not in self.left_out}
+            if self.orders is None:  # a new server (one restarted keeps its orders)
+                packages = parent_packages()
+                self.packages = {n: m for n, m in packages.items() if n not in self.left_out}
             self._start()
 
-    def fork(self, fds: list[int]) -> tuple[int, int, int]:
-        """Ask the server for a child that inherits ``fds``.
+    def fork(self, fds: list[int], prepared: bytes) -> tuple[int, int, int]:
+        """A child of the server that inherits ``fds`` and is told ``prepared`` (the
+        pickled preparation data): a spare forked ahead (:meth:`ahead`) if one is
+        waiting, else one forked now.
 
         Returns the child's pid, the read end of the pipe on which the server writes
         its exit status, and the write end of the pipe the child reads its process
-        object from (nothing written yet: a child whose pid never came back reads
-        nothing, and exits).
+        object from (next: ``prepared`` went on the child's socket).
         """
         if _preloading:
             raise RuntimeError("no executor starts in sharexec's warm server")
         with self.lock:
-            retries = 1  # a server that failed: a new one, once (more if it left one out)
-            while True:
+            for _ in range(3):  # a spare that died meanwhile (killed): the next one
+                spare = self._take()
+                try:
+                    spare.activate(fds, prepared)
+                except OSError:
+                    spare.close()
+                    continue
+                assert spare.pid is not None
+                return spare.pid, spare.status, spare.write
+            raise ConnectionError("sharexec's warm server forked no child that took its task")
+
+    def ahead(self, count: int) -> None:
+        """Fork children ahead until ``count`` wait (at most :data:`MAX_SPARES`), each
+        to become a worker at a later :meth:`fork`, which then waits for no fork. Asks
+        only: the server forks them while this process goes on. Nothing if no server
+        was started (one that died is started again, as by a fork)."""
+        with self.lock:
+            if self.orders is None:
+                return
+            try:
                 used = self._start()
-                try:
-                    status, write = self.server.connect_to_new_process(fds)
-                except (ConnectionError, FileNotFoundError, ChildProcessError):
-                    if self._failed(used):
-                        continue
-                    if not retries:
-                        raise
-                    retries -= 1
+                for gone in [s for s in self.spares if s.server != used]:
+                    self.spares.remove(gone)  # of a server gone: no status can come
+                    gone.close()
+                while len(self.spares) < min(count, MAX_SPARES):
+                    self.spares.append(self._request(used))
+            except (OSError, ChildProcessError):
+                return  # the server is gone: the next fork starts another
+
+    def waiting(self) -> list[int]:
+        """The pids of the children forked ahead that wait to become workers, oldest
+        first (each read from the server when not yet), e.g. ``[4712, 4713]``."""
+        with self.lock:
+            for spare in list(self.spares):
+                if spare.pid is None:
+                    try:
+                        spare.pid = mp_forkserver.read_signed(spare.status)
+                    except (EOFError, OSError):
+                        self.spares.remove(spare)
+                        spare.close()
+            return [spare.pid for spare in self.spares if spare.pid is not None]
+
+    def _take(self) -> _Spare:
+        """A spare of the running server whose pid came back, else a child forked now
+        (a server started if none runs; see :meth:`fork`)."""
+        used = self._start()
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.server != used:  # of a server gone: its status could not come
+                spare.close()
+                continue
+            try:
+                if spare.pid is None:
+                    spare.pid = mp_forkserver.read_signed(spare.status)
+            except (EOFError, OSError):
+                spare.close()
+                self._failed(used)
+                used = self._start()
+                continue
+            return spare
+        retries = 1  # a server that failed: a new one, once (more if it left one out)
+        while True:
+            try:
+                spare = self._request(used)
+            except (ConnectionError, FileNotFoundError, ChildProcessError):
+                if self._failed(used):
+                    used = self._start()
                     continue
-                try:
-                    pid: int = mp_forkserver.read_signed(status)
-                except (EOFError, OSError):
-                    os.close(status)
-                    os.close(write)
-                    if self._failed(used):
-                        continue
-                    if not retries:
-                        raise
-                    retries -= 1
+                if not retries:
+                    raise
+                retries -= 1
+                used = self._start()
+                continue
+            try:
+                spare.pid = mp_forkserver.read_signed(spare.status)
+            except (EOFError, OSError):
+                spare.close()
+                if self._failed(used):
+                    used = self._start()
                     continue
-                return pid, status, write
+                if not retries:
+                    raise
+                retries -= 1
+                used = self._start()
+                continue
+            return spare
+
+    def _request(self, used: int) -> _Spare:
+        """Ask the server ``used`` for a child (its pid not read yet)."""
+        ours, theirs = socket.socketpair()
+        try:
+            try:
+                status, write = self.server.connect_to_new_process([theirs.fileno()])
+            finally:
+                theirs.close()
+        except BaseException:
+            ours.close()
+            raise
+        spare = _Spare(used, status, write, ours)
+        try:
+            os.write(write, _AWAIT_ACTIVATION)  # the child's first read: wait for the rest
+        except OSError:
+            spare.close()
+            raise
+        return spare
 
     def _failed(self, pid: int) -> bool:
         """The server ``pid`` failed a request: forget it; whether it had left a package
@@ -239,6 +466,9 @@ class _WarmServer:
         self.sockets = set()
         self.orders = None
         self.lock = threading.Lock()
+        for spare in self.spares:  # the parent's: only this copy of their ends goes
+            spare.close()
+        self.spares = []
         if alive is not None:
             with contextlib.suppress(OSError):
                 os.close(alive)
@@ -303,6 +533,18 @@ class _ParentState:
         return _take_parent_state, (self.environ, self.umask, self.ignored, self.blocked)
 
 
+def _ignored_now() -> set[int]:
+    """The signals this process ignores now."""
+    with open("/proc/self/status") as f:
+        return _signals(_status_field(f.read(), "SigIgn"))
+
+
+# In a child of the warm server, the signals it ignores, read while it waited to become
+# a worker (nothing changes them meanwhile: the child runs only its main thread, in
+# _await_activation), e.g. {2, 13}: its start reads them no more.
+_ignored_here: set[int] | None = None
+
+
 def _take_parent_state(
     environ: dict[bytes, bytes], umask: int, ignored: set[int], blocked: set[int]
 ) -> None:
@@ -320,8 +562,7 @@ def _take_parent_state(
         if here.get(name) != value:
             here[name] = value
     os.umask(umask)
-    with open("/proc/self/status") as f:
-        ignored_here = _signals(_status_field(f.read(), "SigIgn"))
+    ignored_here = _ignored_now() if _ignored_here is None else _ignored_here
     for number in ignored - ignored_here:
         signal.signal(number, signal.SIG_IGN)
     for number in ignored_here - ignored - _IGNORED_BY_PYTHON:
@@ -355,13 +596,16 @@ class _WarmPopen(mp_popen_forkserver.Popen):
         mp_context.set_spawning_popen(self)  # fds the process carries go with the request
         try:
             mp_reduction.dump(data, buffer)
+            prepared = buffer.tell()
             mp_reduction.dump(process_obj, buffer)
         finally:
             mp_context.set_spawning_popen(None)
         fds: list[int] = self._fds  # type: ignore[attr-defined]  # duplicate_for_child's
         sentinel, held = os.pipe()
         try:
-            self.pid, self._status, write = _warm_server.fork([*fds, held])
+            self.pid, self._status, write = _warm_server.fork(
+                [*fds, held], bytes(buffer.getbuffer()[:prepared])
+            )
         except BaseException:
             os.close(sentinel)
             raise
@@ -374,7 +618,7 @@ class _WarmPopen(mp_popen_forkserver.Popen):
         close_fds = mp_util.close_fds  # type: ignore[attr-defined]
         self.finalizer = mp_util.Finalize(self, close_fds, (kept, sentinel, self._status))
         with open(write, "wb", closefd=True) as pipe:
-            pipe.write(buffer.getbuffer())
+            pipe.write(buffer.getbuffer()[prepared:])
 
     def poll(self, flag: int = os.WNOHANG) -> int | None:
         if self.returncode is None:
@@ -411,6 +655,11 @@ class _WarmContext(mp_context.ForkServerContext):
     def start_server(self) -> None:
         """Start the server (if it is not running), so that it warms up meanwhile."""
         _warm_server.start()
+
+    def fork_ahead(self, count: int) -> None:
+        """Have ``count`` children of the server forked ahead, for the workers of a
+        pool to come (see :meth:`_WarmServer.ahead`)."""
+        _warm_server.ahead(count)
 
 
 _warm = _WarmContext()
