@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import startup_workers as sw
+from conftest import method_id
 
 import sharexec
 from sharexec import _loky
@@ -310,6 +311,43 @@ def test_a_script_without_a_main_guard_runs_once_under_the_default(tmp_path: Pat
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["main ran", "worker True"]
     assert out.stdout.count("main ran") == 1
+
+
+def test_workers_import_what_the_script_imported_from_where_it_did(start_method, tmp_path):
+    """A package beside the script, run from a folder holding another of that name: the
+    workers use the script's, as the parent does (the warm server preloads from the
+    parent's sys.path, not from its own working folder)."""
+    for folder, who in (("project", "beside the script"), ("elsewhere", "working folder")):
+        (tmp_path / folder / "mypkg").mkdir(parents=True)
+        (tmp_path / folder / "mypkg" / "__init__.py").write_text(f"WHO = {who!r}\n")
+    script = tmp_path / "project" / "main.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import mypkg
+            import sharexec
+
+            def who(_):
+                import mypkg
+                return mypkg.WHO
+
+            if __name__ == "__main__":
+                method = None if sys.argv[1] == "default" else sys.argv[1]
+                with sharexec.SharedProcessPoolExecutor(2, mp_context=method) as ex:
+                    print(mypkg.WHO, "|", *sorted(set(ex.map(who, range(4)))), sep="")
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), method_id(start_method)],
+        cwd=tmp_path / "elsewhere",
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "beside the script|beside the script"
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ authentication of clients) and says what else to do through those names:
   its submodules, reach that finder and nothing else;
 * ``<this module>.orders_<hex>``: the file (its path in hexadecimal, in the parent's
   private temporary folder: ``temp_folder``) that lists the parent's packages to
-  import, in JSON: for each top-level package, the names of its modules the parent
-  imported, e.g.
-  ``[["scipy", "scipy.stats", ...], ...]`` (the parent writes it first, and never
-  changes it: a server started again after its death reads the same).
+  import, in JSON, with the parent's ``sys.path`` they are imported from: for each
+  top-level package, the names of its modules the parent imported, e.g.
+  ``{"path": ["/home/me/project", ...], "packages": [["scipy", "scipy.stats", ...],
+  ...]}`` (the parent writes it first, and never changes it: a server started again
+  after its death reads the same).
 
 Each module's import is guarded: its output goes to ``/dev/null``, any exception is
 swallowed (the module is then not preloaded; a worker imports it when a task needs it,
@@ -125,9 +126,16 @@ class _Preloader(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         orders = bytes.fromhex(order.removeprefix("orders_")).decode()
         try:
             with open(orders) as f:
-                packages: list[list[str]] = json.load(f)
-        except (OSError, ValueError):
+                told = json.load(f)
+            path: list[str] = told["path"]
+            packages: list[list[str]] = told["packages"]
+        except (OSError, ValueError, KeyError, TypeError):
             return  # the parent is gone: this server will fork nothing
+        # Where the parent found them: the server runs ``python -c`` (its working folder
+        # first, the script's folder not at all) and multiprocessing's server ignores
+        # the sys_path it is given (Python 3.11 to 3.13), so a package of the script's
+        # folder would be missed, and one of the same name in the working folder taken.
+        sys.path[:] = path
         for modules in packages:
             for name in modules:
                 _import_quietly(name)

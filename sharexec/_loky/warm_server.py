@@ -198,8 +198,10 @@ def _rehearse(sock: socket.socket) -> None:
     already when it becomes a worker, at the price of as many more copied ahead that
     it may never need (about 1.2 MB more of its own). A child told at once (no spare
     was waiting) skips it."""
+    told = select.poll()  # not select(): a descriptor number may be above 1,024
+    told.register(sock, select.POLLIN)
     for name in _REHEARSED:
-        if select.select([sock], [], [], 0)[0]:
+        if told.poll(0):
             return
         module = sys.modules.get(name)
         for value in list(vars(module).values()) if module is not None else ():
@@ -417,7 +419,7 @@ class _WarmServer:
             name = f"sharexec-warm-{os.urandom(6).hex()}"
             self.orders = os.path.join(fork_server_folder(), name)
             with open(self.orders, "w") as f:
-                json.dump(list(self.packages.values()), f)
+                json.dump({"path": sys.path, "packages": list(self.packages.values())}, f)
             order = f"{PRELOAD_PREFIX}orders_{self.orders.encode().hex()}"
             server.set_forkserver_preload([*WARM_PRELOAD, _PRELOADER, order])
         try:
