@@ -67,18 +67,24 @@ def test_one_call_starts_one_worker_of_64_and_the_idle_worker_is_reused(start_me
         assert started == [first]
 
 
+def threads_at_each_start(ex: sharexec.SharedProcessPoolExecutor) -> list[set[str]]:
+    """The names of this process's threads each time ``ex`` starts workers, from now."""
+    seen: list[set[str]] = []
+    report = ex._workers_started
+
+    def record(pids: list[int]) -> None:
+        seen.append({t.name for t in threading.enumerate()})
+        report(pids)
+
+    ex._workers_started = record  # type: ignore[method-assign]
+    return seen
+
+
 def test_under_fork_every_worker_starts_at_the_first_call_before_the_pool_threads(no_leaks):
     # As the standard library does: a worker forked later, while the pool's feeder thread
     # held a lock (tempfile's, at its first use), never got that lock.
-    threads_at_start: list[set[str]] = []
     with sharexec.SharedProcessPoolExecutor(4, mp_context="fork") as ex:
-        report = ex._workers_started
-
-        def record(pids: list[int]) -> None:
-            threads_at_start.append({t.name for t in threading.enumerate()})
-            report(pids)
-
-        ex._workers_started = record  # type: ignore[method-assign]
+        threads_at_start = threads_at_each_start(ex)
         ex.submit(sw.pid).result()
         assert len(ex._pool_processes()) == 4
         assert {ex.submit(sw.pid).result() for _ in range(8)} <= {
@@ -91,15 +97,8 @@ def test_under_fork_every_worker_starts_at_the_first_call_before_the_pool_thread
 def test_but_under_fork_the_manager_thread_starts_before_the_first_worker(start_method, no_leaks):
     if start_method == "fork":
         pytest.skip("under fork every worker starts before the pool threads (the test above)")
-    threads_at_start: list[set[str]] = []
     with sharexec.SharedProcessPoolExecutor(2, mp_context=start_method) as ex:
-        report = ex._workers_started
-
-        def record(pids: list[int]) -> None:
-            threads_at_start.append({t.name for t in threading.enumerate()})
-            report(pids)
-
-        ex._workers_started = record  # type: ignore[method-assign]
+        threads_at_start = threads_at_each_start(ex)
         ex.submit(sw.pid).result()
     assert "ExecutorManagerThread" in threads_at_start[0]
 

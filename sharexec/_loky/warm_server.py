@@ -345,29 +345,23 @@ class _WarmServer:
         retries = 1  # a server that failed: a new one, once (more if it left one out)
         while True:
             try:
-                spare = self._request(used)
-            except (ConnectionError, FileNotFoundError, ChildProcessError):
-                if self._failed(used):
-                    used = self._start()
-                    continue
-                if not retries:
-                    raise
-                retries -= 1
+                return self._forked_now(used)
+            except (EOFError, OSError):  # the server failed the request
+                if not self._failed(used):
+                    if not retries:
+                        raise
+                    retries -= 1
                 used = self._start()
-                continue
-            try:
-                spare.pid = mp_forkserver.read_signed(spare.status)
-            except (EOFError, OSError):
-                spare.close()
-                if self._failed(used):
-                    used = self._start()
-                    continue
-                if not retries:
-                    raise
-                retries -= 1
-                used = self._start()
-                continue
-            return spare
+
+    def _forked_now(self, used: int) -> _Spare:
+        """A child the server ``used`` forks now, its pid read."""
+        spare = self._request(used)
+        try:
+            spare.pid = mp_forkserver.read_signed(spare.status)
+        except BaseException:
+            spare.close()
+            raise
+        return spare
 
     def _request(self, used: int) -> _Spare:
         """Ask the server ``used`` for a child (its pid not read yet)."""
