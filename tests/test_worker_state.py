@@ -77,7 +77,16 @@ def warm_server() -> tuple[int, str]:
 
 
 def kill_warm_server(wait: bool) -> tuple[int, str]:
-    """SIGKILL the warm server; with ``wait``, until it has exited (not reaped)."""
+    """SIGKILL the warm server; with ``wait``, until it has exited (not reaped).
+
+    The children it forked ahead are let go first: a spare of a server whose death is
+    not noticed yet still becomes a worker (it needs no fork), so the next worker would
+    not need the server whose restart these tests are about."""
+    server = _loky.warm_server._warm_server
+    with server.lock:
+        for spare in server.spares:
+            spare.close()
+        server.spares.clear()
     pid, address = warm_server()
     os.kill(pid, signal.SIGKILL)
     if wait:
