@@ -609,13 +609,15 @@ def test_no_room_anywhere_falls_back_to_pickling(start_method, tmp_path):
 
 
 @container.needs_root
+@pytest.mark.parametrize("root", ["rw", "ro"])
 @pytest.mark.parametrize("whom", ["parent", "worker"])
-def test_a_kill_in_a_container_leaves_nothing(start_method, whom):
+def test_a_kill_in_a_container_leaves_nothing(start_method, whom, root):
     """In a 64 MB /dev/shm, where the large argument and shared array are anonymous
-    segments: a SIGKILL of the parent, or of a worker, leaves nothing in /dev/shm, and no
-    process holds (open or mapped) any anonymous segment of the parent's once all of its
+    segments, with the root file system as it is or read-only without a writable /tmp: a
+    SIGKILL of the parent, or of a worker, leaves nothing in /dev/shm, and no process
+    holds (open or mapped) any anonymous segment of the parent's once all of its
     processes have exited (the kernel frees them: nothing to sweep)."""
-    out = container.run(start_method, "crash", whom)
+    out = container.run(start_method, "crash", whom, root=root)
     exited(out.returncode)
     assert out.returncode == 0, out.stdout + out.stderr
     assert container.printed(out.stdout, "kind") == "anonymous"
